@@ -1,0 +1,35 @@
+"""lightning_pipe: pipeline parallelism for PyTorch and PyTorch Lightning."""
+
+from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
+from lightning_pipe.errors import (
+    ConfigurationError,
+    PartitionError,
+    PipelineAbortedError,
+    PipelineError,
+    PipelineStepError,
+    ScheduleError,
+)
+from lightning_pipe.microbatch import NoChunk
+from lightning_pipe.partition import SequentialModel, balance_by_layers, balance_by_parameters, partition
+from lightning_pipe.pipeline import GPipe, PipeDream, Pipeline
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "GPipe",
+    "NoChunk",
+    "PartitionError",
+    "PipeDream",
+    "Pipeline",
+    "PipelineAbortedError",
+    "PipelineError",
+    "PipelineStepError",
+    "ScheduleError",
+    "SequentialModel",
+    "balance_by_layers",
+    "balance_by_parameters",
+    "is_checkpointing",
+    "is_recomputing",
+    "partition",
+]

@@ -1,0 +1,29 @@
+"""The exceptions lightning_pipe raises.
+
+Every error derives from :class:`PipelineError` and from the built-in that fits, so that both
+``except PipelineError`` and ``except ValueError`` keep working.
+"""
+
+
+class PipelineError(Exception):
+    """Base class of every error raised by lightning_pipe."""
+
+
+class ConfigurationError(PipelineError, ValueError):
+    """A pipeline was configured with values that cannot work (raised before any communication)."""
+
+
+class PartitionError(ConfigurationError):
+    """A module cannot be split into stages as asked."""
+
+
+class ScheduleError(PipelineError, ValueError):
+    """A schedule table is malformed, mismatched or would deadlock."""
+
+
+class PipelineStepError(PipelineError, RuntimeError):
+    """An action failed on this rank during a pipeline step."""
+
+
+class PipelineAbortedError(PipelineError, RuntimeError):
+    """Another rank of the pipeline failed (or died), so this rank stopped its step too."""

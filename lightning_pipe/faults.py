@@ -1,0 +1,170 @@
+"""Failing together: a failed rank tells the others, and nobody waits forever.
+
+When an action raises, its rank writes a message to the process group's key-value store. Every
+rank waits for its messages without blocking its main thread in C++, and checks the store while
+it waits, so a failure anywhere stops every rank of the pipeline within a fraction of a second
+instead of the 30-minute collective timeout. torch offers no way to do this for gloo, which is why
+it is written here: a gloo ``Work`` has no future, ``is_completed()`` only turns true inside
+``wait()``, ``wait(timeout)`` closes the connection for good, and ``abort()``/``shutdown()`` leave
+a blocked ``wait()`` blocked. So gloo works are waited on by one helper thread while the main
+thread waits on an event; NCCL works are polled with ``is_completed()``. A rank that dies
+(SIGKILL) closes its sockets; its peers' receives then fail, and they report the dead peer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from lightning_pipe.errors import PipelineAbortedError
+
+_POLL_STORE_EVERY = 0.05  # seconds between looks at the store while a message is late
+_GRACE = 3.0  # seconds to wait for a failed peer's message after its connection broke
+
+
+class ErrorChannel:
+    """The first error reported by any rank of one pipeline, through the store.
+
+    Args:
+        store: a ``torch.distributed.Store`` shared by the pipeline's ranks.
+        prefix: keys are written under it; the same on every rank of the pipeline.
+        timeout: how long a single message may be awaited before giving up.
+    """
+
+    def __init__(self, store: Optional[dist.Store], prefix: str, timeout: timedelta, threaded: bool = True) -> None:
+        self.store = dist.PrefixStore(prefix, store) if store is not None else None
+        self.timeout = timeout.total_seconds()
+        self._waiter = _Waiter() if threaded else None
+
+    def report(self, message: str) -> None:
+        """Publish this rank's error (only the first one per pipeline is kept as the cause)."""
+        if self.store is None:
+            return
+        try:
+            number = self.store.add("count", 1)
+            self.store.set(f"error/{number}", message)
+        except Exception:  # the store may be gone too; the raise on this rank still happens
+            pass
+
+    def first_error(self) -> Optional[str]:
+        if self.store is None:
+            return None
+        try:
+            if self.store.check(["error/1"]):
+                return self.store.get("error/1").decode()
+        except Exception:
+            return None
+        return None
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work`` to complete, failing fast when another rank failed.
+
+        Raises:
+            PipelineAbortedError: another rank reported an error, a peer died, or ``timeout`` passed.
+        """
+        try:
+            if self._waiter is not None:
+                self._wait_threaded(work, what)
+            else:
+                if not work.is_completed():
+                    self._poll(work, what)
+                work.wait()
+        except PipelineAbortedError:
+            raise
+        except Exception as exc:
+            deadline = time.monotonic() + _GRACE
+            cause = self.first_error()
+            while cause is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                cause = self.first_error()
+            if cause is None:
+                raise PipelineAbortedError(
+                    f"lost the connection while waiting for {what}: {exc}. A peer rank probably died "
+                    "(killed, out of memory); check its log"
+                ) from exc
+            raise PipelineAbortedError(f"stopped while waiting for {what}, because another rank failed: {cause}") from exc
+
+    def _check(self, start: float, what: str) -> None:
+        cause = self.first_error()
+        if cause is not None:
+            raise PipelineAbortedError(f"stopped while waiting for {what}, because another rank failed: {cause}")
+        if time.monotonic() - start > self.timeout:
+            raise PipelineAbortedError(
+                f"timed out after {self.timeout:.0f} s waiting for {what}; no rank reported an error. "
+                "Raise `timeout` if a stage is legitimately this slow"
+            )
+
+    def _wait_threaded(self, work: dist.Work, what: str) -> None:
+        slot = self._waiter.submit(work)
+        start = time.monotonic()
+        while not slot.done.wait(_POLL_STORE_EVERY):
+            self._check(start, what)
+        if slot.error is not None:
+            raise slot.error
+
+    def _poll(self, work: dist.Work, what: str) -> None:
+        start = time.monotonic()
+        next_check = start + _POLL_STORE_EVERY
+        pause = 0.0
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_check:
+                self._check(start, what)
+                next_check = now + _POLL_STORE_EVERY
+            # Yield first (the message is usually moments away), then back off to 200 us so a
+            # long wait does not steal a core from the ranks that compute.
+            time.sleep(pause)
+            pause = min(pause * 2 + 1e-5, 2e-4)
+
+
+class _Slot:
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+
+class _Waiter:
+    """A daemon thread that calls ``Work.wait()`` for the main thread, one work at a time.
+
+    The thread ends after a second without work and is started again on demand. After a failure
+    it may stay blocked on a message that never comes; it holds no lock the main thread needs.
+    """
+
+    _IDLE_SECONDS = 1.0
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, work: dist.Work) -> _Slot:
+        slot = _Slot()
+        with self._lock:
+            self._queue.put((work, slot))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="lightning_pipe-waiter", daemon=True)
+                self._thread.start()
+        return slot
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                work, slot = self._queue.get(timeout=self._IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the main thread, which raises it
+                slot.error = exc
+            slot.done.set()

@@ -1,0 +1,276 @@
+"""The plain-PyTorch pipeline API: ``GPipe`` and ``PipeDream`` (1F1B) without Lightning.
+
+Each process holds one stage (see :func:`lightning_pipe.partition`) and calls the same method
+with the same arguments shape-wise; only the first stage needs real inputs and only the last
+stage needs labels. The surface follows haiscale's pipeline API.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_pipe.checkpoint import check_checkpoint
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.executor import Executor, StepResult
+from lightning_pipe.faults import ErrorChannel
+from lightning_pipe.microbatch import gather, scatter
+from lightning_pipe.schedule import SCHEDULES, gpipe_forward, validate
+from lightning_pipe.stage import Stage
+from lightning_pipe.transport import Transport
+
+_instances = itertools.count()
+
+
+def _meta_signature(microbatches) -> tuple:
+    signature = []
+    for mb in microbatches:
+        leaves, spec = tree_flatten(mb)
+        signature.append((str(spec), tuple((l.dtype, tuple(l.shape), l.requires_grad) if isinstance(l, torch.Tensor) else type(l) for l in leaves)))
+    return tuple(signature)
+
+
+def _device_of(module: nn.Module, group) -> torch.device:
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return tensor.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Pipeline:
+    """One stage of a pipeline run over ``process_group`` with a given schedule.
+
+    Args:
+        module: this process's stage (e.g. from :func:`lightning_pipe.partition`).
+        chunks: the number of microbatches a batch is split into (``num_microbatches``).
+        process_group: the pipeline's group; its rank ``s`` runs stage ``s``. Default: WORLD.
+        batch_dim: the dimension along which inputs and labels are split.
+        checkpoint: ``"always"``, ``"except_last"``, ``"never"`` (or a bool).
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        broadcast_outputs: whether :meth:`forward` returns the outputs on every stage.
+        timeout: how long to wait for one message before failing.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int,
+        process_group: Optional[dist.ProcessGroup] = None,
+        batch_dim: int = 0,
+        checkpoint: Union[str, bool] = "never",
+        schedule: str = "gpipe",
+        broadcast_outputs: bool = False,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
+        if schedule not in SCHEDULES:
+            raise ConfigurationError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        if not dist.is_initialized():
+            raise ConfigurationError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+        self.module = module
+        self.chunks = chunks
+        self.batch_dim = batch_dim
+        self.schedule = schedule
+        self.broadcast_outputs = broadcast_outputs
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.ranks = dist.get_process_group_ranks(self.group)
+        self._stage_index = dist.get_rank(self.group)
+        self._num_stages = len(self.ranks)
+        checkpoint = check_checkpoint(checkpoint)
+        self.stage = Stage(module, self._stage_index, self._num_stages, checkpoint)
+        # Private API: the default store is the one place every rank already shares without a new
+        # rendezvous; the error channel needs exactly that.
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"lightning_pipe/{next(_instances)}/{'-'.join(map(str, self.ranks))}/"
+        self.errors = ErrorChannel(store, prefix, timeout, threaded=dist.get_backend(self.group) != "nccl")
+        self.transport = Transport(self.group, self._stage_index, self._num_stages, _device_of(module, self.group), self.errors)
+        self.executor = Executor(self.stage, self.transport, self._stage_index)
+        self._rows: Dict[Tuple[str, int], tuple] = {}
+        self._signature = None
+        self._step = 0
+        self.last_step: Optional[StepResult] = None
+
+    def num_stages(self) -> int:
+        """The number of pipeline stages."""
+        return self._num_stages
+
+    def stage_index(self) -> int:
+        """This process's stage."""
+        return self._stage_index
+
+    stage_id = stage_index
+
+    def _row(self, name: str, num_microbatches: int) -> tuple:
+        key = (name, num_microbatches)
+        if key not in self._rows:
+            generator = gpipe_forward if name == "forward" else SCHEDULES[name]
+            self._rows[key] = validate(generator(self._num_stages, num_microbatches))[self._stage_index]
+        return self._rows[key]
+
+    def _start_step(self, inputs: tuple) -> Tuple[Optional[list], list]:
+        """Split the inputs on stage 0 and agree on the step's microbatches with every stage."""
+        microbatches = None
+        header = None
+        if self._stage_index == 0:
+            microbatches = scatter(tuple(inputs), self.chunks, self.batch_dim)
+            signature = (torch.is_grad_enabled(), _meta_signature(microbatches))
+            fresh = signature != self._signature
+            self._signature = signature
+            sizes = [self._size(mb) for mb in microbatches]
+            header = [len(microbatches), int(fresh)] + sizes + [0] * (self.chunks - len(sizes))
+        header = self.transport.exchange_header(header, 2 + self.chunks)
+        num_microbatches = header[0]
+        return microbatches, header[2 : 2 + num_microbatches]
+
+    def _size(self, microbatch) -> int:
+        leaves, _ = tree_flatten(microbatch)
+        return next(l.shape[self.batch_dim] for l in leaves if isinstance(l, torch.Tensor) and l.dim() > 0)
+
+    def _split_labels(self, labels: tuple, sizes: Sequence[int]) -> list:
+        if not labels:
+            return [()] * len(sizes)
+        parts = scatter(tuple(labels), len(sizes), self.batch_dim)
+        got = [self._size(p) for p in parts]
+        if got != list(sizes):
+            raise ConfigurationError(
+                f"labels split into microbatches of sizes {got} but the inputs into {list(sizes)}; "
+                "labels need the inputs' batch size along batch_dim"
+            )
+        return parts
+
+    def forward_backward(
+        self,
+        *inputs: Any,
+        criterion: Optional[Callable[..., torch.Tensor]] = None,
+        labels: Sequence[Any] = (),
+        return_outputs: bool = False,
+    ) -> Tuple[Optional[torch.Tensor], Any]:
+        """Run forward and backward of one batch through the pipeline.
+
+        ``criterion(*outputs, *labels)`` runs per microbatch on the last stage (without a
+        criterion the last stage's output is the loss). The loss returned is the microbatch losses'
+        mean weighted by microbatch size, and the gradients accumulated into ``.grad`` are those of
+        that loss: for a mean-reduced criterion, exactly one forward/backward of the whole batch.
+
+        Returns:
+            ``(loss, outputs)`` on the last stage (``outputs`` None unless ``return_outputs``);
+            ``(None, None)`` on the other stages.
+        """
+        microbatches, sizes = self._start_step(inputs)
+        num_microbatches = len(sizes)
+        loss_fn = None
+        if self.stage.is_last:
+            label_parts = self._split_labels(tuple(labels), sizes)
+            total = float(sum(sizes))
+
+            def loss_fn(i: int, outputs: tuple) -> torch.Tensor:
+                loss = criterion(*outputs, *label_parts[i]) if criterion is not None else outputs[0]
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ConfigurationError(
+                        f"the loss of a microbatch must be a one-element tensor, got {type(loss).__name__} "
+                        f"{tuple(getattr(loss, 'shape', ()))}; reduce it in the criterion"
+                    )
+                return loss.reshape(()) * (sizes[i] / total)
+
+        result = self.executor.run(
+            self._row(self.schedule, num_microbatches), self._step, num_microbatches,
+            microbatches, loss_fn, keep_outputs=return_outputs,
+        )
+        self._step += 1
+        self.last_step = result
+        if not self.stage.is_last:
+            return None, None
+        loss = torch.stack([result.losses[i] for i in range(num_microbatches)]).sum()
+        outputs = self._merge(result) if return_outputs else None
+        return loss, outputs
+
+    def forward(self, *inputs: Any) -> Any:
+        """Run forward only (use under ``torch.no_grad()`` for evaluation).
+
+        Returns:
+            The merged output on the last stage (on every stage with ``broadcast_outputs``), else None.
+        """
+        microbatches, sizes = self._start_step(inputs)
+        num_microbatches = len(sizes)
+        result = self.executor.run(
+            self._row("forward", num_microbatches), self._step, num_microbatches, microbatches, keep_outputs=True
+        )
+        self.stage.clear()  # a forward-only step under grad mode keeps no graph for later
+        self._step += 1
+        self.last_step = result
+        outputs = self._merge(result) if self.stage.is_last else None
+        if self.broadcast_outputs and self._num_stages > 1:
+            outputs = self._broadcast(outputs)
+        return outputs
+
+    __call__ = forward
+
+    def _merge(self, result: StepResult) -> Any:
+        merged = gather([result.outputs[i] for i in range(len(result.outputs))], self.batch_dim)
+        return merged[0] if len(merged) == 1 else merged
+
+    def _broadcast(self, outputs: Any) -> Any:
+        # Evaluation path only: the meta is pickled once per call, the tensors are broadcast.
+        source = self.ranks[-1]
+        leaves, spec = tree_flatten(outputs) if self.stage.is_last else (None, None)
+        box = [(spec, [(l.shape, l.dtype) for l in leaves])] if self.stage.is_last else [None]
+        dist.broadcast_object_list(box, src=source, group=self.group, device=self.transport.device)
+        spec, metas = box[0]
+        if not self.stage.is_last:
+            leaves = [torch.empty(shape, dtype=dtype, device=self.transport.device) for shape, dtype in metas]
+        for tensor in leaves:
+            dist.broadcast(tensor, src=source, group=self.group)
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(leaves, spec)
+
+
+class GPipe(Pipeline):
+    """GPipe: all forwards, then all backwards (the seed's ``haiscale.pipeline.GPipe``).
+
+    Example (one process; more stages need one process each):
+        >>> import os, torch, torch.distributed as dist
+        >>> store = dist.HashStore()
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> model = GPipe(torch.nn.Sequential(torch.nn.Linear(3, 1)), chunks=2)
+        >>> loss, _ = model.forward_backward(torch.ones(4, 3), criterion=torch.nn.functional.mse_loss,
+        ...                                  labels=(torch.zeros(4, 1),))
+        >>> loss.shape
+        torch.Size([])
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int,
+        process_group: Optional[dist.ProcessGroup] = None,
+        batch_dim: int = 0,
+        checkpoint: Union[str, bool] = "never",
+        broadcast_outputs: bool = True,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        super().__init__(module, chunks, process_group, batch_dim, checkpoint, "gpipe", broadcast_outputs, timeout)
+
+
+class PipeDream(Pipeline):
+    """1F1B (PipeDream-flush): the same result as GPipe with at most ``num_stages`` microbatches in flight."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int,
+        process_group: Optional[dist.ProcessGroup] = None,
+        batch_dim: int = 0,
+        checkpoint: Union[str, bool] = False,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        super().__init__(module, chunks, process_group, batch_dim, checkpoint, "1f1b", False, timeout)

@@ -1,0 +1,9 @@
+"""Argument checks shared by the schedule generators."""
+
+from lightning_pipe.errors import ConfigurationError
+
+
+def check_grid(num_stages: int, num_microbatches: int) -> None:
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")

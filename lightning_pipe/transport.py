@@ -1,0 +1,192 @@
+"""Point-to-point transport of activations and gradients between neighbouring stages.
+
+Messages are tuples of tensors. Their shapes, dtypes and ``requires_grad`` flags ("meta") are
+exchanged only when they may have changed: each step starts with one small header that stage 0
+sends down the pipeline, carrying the number of microbatches, their sizes, and whether stage 0's
+inputs differ in meta from the previous step. If not, every stage reuses the meta it cached per
+microbatch (so the steady state moves only data); if so, each activation message is preceded by
+its meta for that step (so variable sequence lengths work). Gradients never need a meta: they
+have the shapes of the activations this stage sent.
+
+Per link and direction messages are matched in FIFO order, which the schedule validator proves
+both ends follow. On gloo, receives are posted ahead of need; on NCCL, where a pair's operations
+share one stream, the communication of consecutive actions is issued as one
+``batch_isend_irecv`` group instead (as Megatron does), so opposite sends cannot block each other.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.errors import PipelineStepError
+from lightning_pipe.faults import ErrorChannel
+
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)
+_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+META_SIZE = 256  # int64 slots in a meta message: room for about 40 tensors of 4 dimensions
+
+
+def encode_meta(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
+    """``(n, dtype, requires_grad, ndim, *shape, ...)`` for a tuple of tensors."""
+    codes = [len(tensors)]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise PipelineStepError(
+                f"stages pass tensors to each other, but this stage's output holds a {type(t).__name__}; "
+                "return a tensor or a tuple of tensors"
+            )
+        if t.dtype not in _CODE:
+            raise PipelineStepError(f"cannot send a tensor of dtype {t.dtype} between stages")
+        codes.extend((_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape))
+    if len(codes) > META_SIZE:
+        raise PipelineStepError(f"a stage output with {len(tensors)} tensors is too large to describe in {META_SIZE} slots")
+    return tuple(codes)
+
+
+def decode_meta(codes: Sequence[int]) -> List[Tuple[torch.dtype, bool, Tuple[int, ...]]]:
+    out, pos = [], 1
+    for _ in range(codes[0]):
+        dtype, requires_grad, ndim = codes[pos : pos + 3]
+        out.append((_DTYPES[dtype], bool(requires_grad), tuple(codes[pos + 3 : pos + 3 + ndim])))
+        pos += 3 + ndim
+    return out
+
+
+class PendingRecv:
+    """Buffers being received for one message, and the works that fill them."""
+
+    __slots__ = ("buffers", "ops", "works", "requires_grad")
+
+    def __init__(self, buffers: List[torch.Tensor], ops: list, requires_grad: List[bool]) -> None:
+        self.buffers = buffers
+        self.ops = ops
+        self.works: list = []
+        self.requires_grad = requires_grad
+
+
+class Transport:
+    """Sends and receives one stage's messages over ``group``.
+
+    Args:
+        group: the pipeline's process group; group rank ``s`` runs stage ``s``.
+        stage_index: the local stage.
+        num_stages: the number of stages.
+        device: where received tensors are allocated.
+        errors: the pipeline's error channel, used while waiting.
+    """
+
+    def __init__(self, group, stage_index: int, num_stages: int, device: torch.device, errors: ErrorChannel) -> None:
+        self.group = group
+        ranks = dist.get_process_group_ranks(group)
+        self.prev_rank = ranks[stage_index - 1] if stage_index > 0 else None
+        self.next_rank = ranks[stage_index + 1] if stage_index < num_stages - 1 else None
+        self.stage_index = stage_index
+        self.device = device
+        self.errors = errors
+        self.batched = dist.get_backend(group) == "nccl"
+        self.fresh = True  # whether this step's activation messages carry their meta
+        self._recv_meta: Dict[int, List] = {}
+        self._sent_meta: Dict[int, Tuple[int, ...]] = {}
+        self._sends: list = []
+
+    # -- step header ---------------------------------------------------------------------------
+    def exchange_header(self, header: Optional[List[int]], length: int) -> List[int]:
+        """Stage 0 passes its header; other stages receive it. Every stage forwards it on."""
+        if self.prev_rank is not None:
+            buffer = torch.empty(length, dtype=torch.int64, device=self.device)
+            work = dist.irecv(buffer, self.prev_rank, group=self.group)
+            self.errors.wait(work, f"the step header from stage {self.stage_index - 1}")
+            header = buffer.tolist()
+        if self.next_rank is not None:
+            tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
+            self._sends.append((dist.isend(tensor, self.next_rank, group=self.group), tensor))
+        self.fresh = bool(header[1])
+        if self.fresh:
+            self._recv_meta.clear()
+            self._sent_meta.clear()
+        return header
+
+    # -- activations ---------------------------------------------------------------------------
+    def send_activations(self, microbatch_index: int, outputs: Sequence[torch.Tensor]) -> list:
+        """The ops that send one microbatch's stage outputs to the next stage."""
+        meta = encode_meta(outputs)
+        ops = []
+        if self.fresh:
+            meta_tensor = torch.zeros(META_SIZE, dtype=torch.int64, device=self.device)
+            meta_tensor[: len(meta)] = torch.tensor(meta, dtype=torch.int64)
+            ops.append(dist.P2POp(dist.isend, meta_tensor, self.next_rank, self.group))
+        elif self._sent_meta.get(microbatch_index) != meta:
+            raise PipelineStepError(
+                f"the output of stage {self.stage_index} for microbatch {microbatch_index} changed its meta "
+                f"from {self._sent_meta.get(microbatch_index)} to {meta} although stage 0's inputs kept theirs; "
+                "stage output shapes must depend only on the input shapes"
+            )
+        self._sent_meta[microbatch_index] = meta
+        ops.extend(dist.P2POp(dist.isend, t.detach().contiguous(), self.next_rank, self.group) for t in outputs)
+        return ops
+
+    def recv_activations(self, microbatch_index: int) -> PendingRecv:
+        """Prepare to receive one microbatch's inputs (waits for its meta on a fresh step)."""
+        if self.fresh and microbatch_index not in self._recv_meta:
+            meta_tensor = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
+            work = dist.irecv(meta_tensor, self.prev_rank, group=self.group)
+            self.errors.wait(work, f"the meta of microbatch {microbatch_index} from stage {self.stage_index - 1}")
+            self._recv_meta[microbatch_index] = decode_meta(meta_tensor.tolist())
+        meta = self._recv_meta[microbatch_index]
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
+        ops = [dist.P2POp(dist.irecv, b, self.prev_rank, self.group) for b in buffers]
+        return PendingRecv(buffers, ops, [rg for _, rg, _ in meta])
+
+    def can_post_activations(self, microbatch_index: int) -> bool:
+        return not self.fresh and not self.batched and microbatch_index in self._recv_meta
+
+    # -- gradients -----------------------------------------------------------------------------
+    def send_grads(self, grads: Sequence[torch.Tensor]) -> list:
+        """The ops that send the input gradients of one microbatch back to the previous stage."""
+        return [dist.P2POp(dist.isend, g.contiguous(), self.prev_rank, self.group) for g in grads]
+
+    def recv_grads(self, microbatch_index: int) -> PendingRecv:
+        """Prepare to receive the gradients of the outputs this stage sent for a microbatch."""
+        meta = decode_meta(self._sent_meta[microbatch_index])
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, rg, shape in meta if rg]
+        ops = [dist.P2POp(dist.irecv, b, self.next_rank, self.group) for b in buffers]
+        return PendingRecv(buffers, ops, [False] * len(buffers))
+
+    def can_post_grads(self, microbatch_index: int) -> bool:
+        return not self.batched and microbatch_index in self._sent_meta
+
+    # -- issuing and waiting -------------------------------------------------------------------
+    def issue(self, ops: list, pending: Sequence[PendingRecv] = ()) -> None:
+        """Start ``ops`` (one NCCL group when batched); remember sends until the step ends."""
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops) if self.batched else [op.op(op.tensor, op.peer, op.group) for op in ops]
+        by_tensor = {id(op.tensor): w for op, w in zip(ops, works)}
+        for recv in pending:
+            recv.works = [by_tensor[id(b)] for b in recv.buffers]
+        for op, work in zip(ops, works):
+            if op.op is dist.isend:
+                self._sends.append((work, op.tensor))
+        self._drop_finished_sends()
+
+    def take(self, recv: PendingRecv, what: str) -> tuple:
+        """Wait for a receive and return its tensors (floating ones requiring grad as sent)."""
+        for work in recv.works:
+            self.errors.wait(work, what)
+        return tuple(b.requires_grad_(True) if rg else b for b, rg in zip(recv.buffers, recv.requires_grad))
+
+    def _drop_finished_sends(self) -> None:
+        if len(self._sends) > 64:
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+
+    def finish(self) -> None:
+        """Wait until every send of the step has left."""
+        for work, _ in self._sends:
+            self.errors.wait(work, "a send to finish")
+        self._sends.clear()

@@ -1,0 +1,76 @@
+"""The pipelined model against the same model in one process: loss, every gradient, weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe import GPipe, PipeDream, partition
+from tests import distributed
+from tests.models import mlp, multi_io
+
+SCHEDULES = {"gpipe": GPipe, "1f1b": PipeDream}
+
+
+def _compare(rank, world, build, schedule, chunks, batch, steps, checkpoint, balance):
+    full = build()
+    reference = copy.deepcopy(full)
+    stage = partition(full, rank, world, balance=balance)
+    pipe = SCHEDULES[schedule](stage, chunks=chunks, checkpoint=checkpoint)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    criterion = nn.functional.mse_loss
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(batch, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(batch, 6 if isinstance(full[-1], nn.Module) and not hasattr(full[-1], "out") else 3,
+                        generator=gen, dtype=torch.float64)
+        ref_out = reference(x)
+        y = y[:, : ref_out.shape[1]]
+        ref_loss = criterion(ref_out, y)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        opt.zero_grad()
+        loss, outputs = pipe.forward_backward(x, criterion=criterion, labels=(y,), return_outputs=True)
+        if rank == world - 1:
+            torch.testing.assert_close(loss, ref_loss.detach())
+            torch.testing.assert_close(outputs, ref_out.detach())
+        else:
+            assert loss is None and outputs is None
+        ref_params = dict(reference.named_parameters())
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"grad of {name} at step {step}: {m}")
+        opt.step()
+        ref_opt.step()
+    ref_state = reference.state_dict()
+    for name, value in stage.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name])
+    return sorted(stage.state_dict())
+
+
+def _grid(rank, world, cases):
+    for case in cases:
+        _compare(rank, world, *case)
+    return len(cases)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+def test_mlp_matches_single_process(num_stages):
+    cases = []
+    for schedule in SCHEDULES:
+        for chunks in (1, 2, 3, 8):
+            cases.append((mlp, schedule, chunks, 8, 3, "never", None))
+        cases.append((mlp, schedule, 4, 10, 2, "never", None))  # uneven: 3, 3, 2, 2
+        cases.append((mlp, schedule, 8, 3, 2, "never", None))  # batch < chunks: one sample each
+    distributed.run(_grid, num_stages, cases, timeout=240)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_multi_input_output_stages_with_int_tensor(num_stages):
+    balance = {2: [2, 3], 3: [2, 2, 1]}[num_stages]
+    cases = [(multi_io, s, c, 7, 2, "never", balance) for s in SCHEDULES for c in (1, 3)]
+    distributed.run(_grid, num_stages, cases, timeout=120)
