@@ -12,6 +12,7 @@ from lightning_pipe.errors import (
 from lightning_pipe.microbatch import NoChunk
 from lightning_pipe.partition import SequentialModel, balance_by_layers, balance_by_parameters, partition
 from lightning_pipe.pipeline import GPipe, PipeDream, Pipeline
+from lightning_pipe.strategy import PipeStrategy  # registers "pipe", "pipe_1f1b", "pipe_gpipe"
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "NoChunk",
     "PartitionError",
     "PipeDream",
+    "PipeStrategy",
     "Pipeline",
     "PipelineAbortedError",
     "PipelineError",

@@ -20,11 +20,10 @@ from lightning_pipe.transport import PendingRecv, Transport
 
 
 class StepResult:
-    """What one rank produced in one step: per-microbatch outputs and losses, and its timings."""
+    """What one rank produced in one step: the last stage's outputs per microbatch, and timings."""
 
     def __init__(self) -> None:
         self.outputs: Dict[int, tuple] = {}
-        self.losses: Dict[int, torch.Tensor] = {}
         self.compute_seconds = 0.0
         self.wall_seconds = 0.0
 
@@ -105,8 +104,7 @@ class Executor:
     def _forward(self, i: int) -> None:
         inputs = self._inputs[i] if self.stage.is_first else self._take((RECV_F, i))
         if self.stage.is_last and self._loss_fn is not None:
-            outputs, loss = self.stage.forward(i, inputs, self._num_microbatches, self._loss_fn)
-            self._result.losses[i] = loss.detach()
+            outputs, _ = self.stage.forward(i, inputs, self._num_microbatches, self._loss_fn)
         else:
             outputs = self.stage.forward(i, inputs, self._num_microbatches)
         if self.stage.is_last:

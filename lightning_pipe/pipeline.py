@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ class Pipeline:
         schedule: ``"gpipe"`` or ``"1f1b"``.
         broadcast_outputs: whether :meth:`forward` returns the outputs on every stage.
         timeout: how long to wait for one message before failing.
+        device: where received tensors go; default: the module's device (NCCL: the current GPU).
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class Pipeline:
         schedule: str = "gpipe",
         broadcast_outputs: bool = False,
         timeout: timedelta = timedelta(minutes=30),
+        device: Optional[torch.device] = None,
     ) -> None:
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
@@ -91,12 +93,14 @@ class Pipeline:
         store = dist.distributed_c10d._get_default_store()
         prefix = f"lightning_pipe/{next(_instances)}/{'-'.join(map(str, self.ranks))}/"
         self.errors = ErrorChannel(store, prefix, timeout, threaded=dist.get_backend(self.group) != "nccl")
-        self.transport = Transport(self.group, self._stage_index, self._num_stages, _device_of(module, self.group), self.errors)
+        device = device if device is not None else _device_of(module, self.group)
+        self.transport = Transport(self.group, self._stage_index, self._num_stages, device, self.errors)
         self.executor = Executor(self.stage, self.transport, self._stage_index)
         self._rows: Dict[Tuple[str, int], tuple] = {}
         self._signature = None
         self._step = 0
         self.last_step: Optional[StepResult] = None
+        self.last_sizes: List[int] = []
 
     def num_stages(self) -> int:
         """The number of pipeline stages."""
@@ -128,7 +132,8 @@ class Pipeline:
             header = [len(microbatches), int(fresh)] + sizes + [0] * (self.chunks - len(sizes))
         header = self.transport.exchange_header(header, 2 + self.chunks)
         num_microbatches = header[0]
-        return microbatches, header[2 : 2 + num_microbatches]
+        self.last_sizes = header[2 : 2 + num_microbatches]
+        return microbatches, self.last_sizes
 
     def _size(self, microbatch) -> int:
         leaves, _ = tree_flatten(microbatch)
@@ -152,6 +157,7 @@ class Pipeline:
         criterion: Optional[Callable[..., torch.Tensor]] = None,
         labels: Sequence[Any] = (),
         return_outputs: bool = False,
+        loss_scale: float = 1.0,
     ) -> Tuple[Optional[torch.Tensor], Any]:
         """Run forward and backward of one batch through the pipeline.
 
@@ -159,6 +165,8 @@ class Pipeline:
         criterion the last stage's output is the loss). The loss returned is the microbatch losses'
         mean weighted by microbatch size, and the gradients accumulated into ``.grad`` are those of
         that loss: for a mean-reduced criterion, exactly one forward/backward of the whole batch.
+        ``loss_scale`` multiplies the loss that is backpropagated, not the loss returned (Lightning
+        divides by ``accumulate_grad_batches`` this way).
 
         Returns:
             ``(loss, outputs)`` on the last stage (``outputs`` None unless ``return_outputs``);
@@ -170,6 +178,7 @@ class Pipeline:
         if self.stage.is_last:
             label_parts = self._split_labels(tuple(labels), sizes)
             total = float(sum(sizes))
+            losses: Dict[int, torch.Tensor] = {}
 
             def loss_fn(i: int, outputs: tuple) -> torch.Tensor:
                 loss = criterion(*outputs, *label_parts[i]) if criterion is not None else outputs[0]
@@ -178,7 +187,9 @@ class Pipeline:
                         f"the loss of a microbatch must be a one-element tensor, got {type(loss).__name__} "
                         f"{tuple(getattr(loss, 'shape', ()))}; reduce it in the criterion"
                     )
-                return loss.reshape(()) * (sizes[i] / total)
+                losses[i] = loss.detach().reshape(()) * (sizes[i] / total)
+                weighted = loss.reshape(()) * (sizes[i] / total)
+                return weighted * loss_scale if loss_scale != 1.0 else weighted
 
         result = self.executor.run(
             self._row(self.schedule, num_microbatches), self._step, num_microbatches,
@@ -188,16 +199,12 @@ class Pipeline:
         self.last_step = result
         if not self.stage.is_last:
             return None, None
-        loss = torch.stack([result.losses[i] for i in range(num_microbatches)]).sum()
-        outputs = self._merge(result) if return_outputs else None
+        loss = torch.stack([losses[i] for i in range(num_microbatches)]).sum()
+        outputs = self._merge([result.outputs[i] for i in range(num_microbatches)]) if return_outputs else None
         return loss, outputs
 
-    def forward(self, *inputs: Any) -> Any:
-        """Run forward only (use under ``torch.no_grad()`` for evaluation).
-
-        Returns:
-            The merged output on the last stage (on every stage with ``broadcast_outputs``), else None.
-        """
+    def forward_microbatches(self, *inputs: Any) -> Optional[List[tuple]]:
+        """Run forward only and return the last stage's outputs per microbatch (None elsewhere)."""
         microbatches, sizes = self._start_step(inputs)
         num_microbatches = len(sizes)
         result = self.executor.run(
@@ -206,15 +213,24 @@ class Pipeline:
         self.stage.clear()  # a forward-only step under grad mode keeps no graph for later
         self._step += 1
         self.last_step = result
-        outputs = self._merge(result) if self.stage.is_last else None
+        return [result.outputs[i] for i in range(num_microbatches)] if self.stage.is_last else None
+
+    def forward(self, *inputs: Any) -> Any:
+        """Run forward only (use under ``torch.no_grad()`` for evaluation).
+
+        Returns:
+            The merged output on the last stage (on every stage with ``broadcast_outputs``), else None.
+        """
+        per_microbatch = self.forward_microbatches(*inputs)
+        outputs = self._merge(per_microbatch) if per_microbatch is not None else None
         if self.broadcast_outputs and self._num_stages > 1:
             outputs = self._broadcast(outputs)
         return outputs
 
     __call__ = forward
 
-    def _merge(self, result: StepResult) -> Any:
-        merged = gather([result.outputs[i] for i in range(len(result.outputs))], self.batch_dim)
+    def _merge(self, per_microbatch: List[tuple]) -> Any:
+        merged = gather(per_microbatch, self.batch_dim)
         return merged[0] if len(merged) == 1 else merged
 
     def _broadcast(self, outputs: Any) -> Any:

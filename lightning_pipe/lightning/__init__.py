@@ -1,0 +1,1 @@
+"""Pieces of the Lightning integration that the strategy glues together."""

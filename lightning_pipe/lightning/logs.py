@@ -1,0 +1,179 @@
+"""What the user's step logs on the last stage, logged on every rank as Lightning's DDP would.
+
+The last stage runs the user's step once per microbatch. :class:`LogRecorder` catches those
+``self.log`` calls instead of handing them to Lightning, folds them into one value per name for
+the whole batch (with the name's own ``reduce_fx``: a size-weighted mean for ``"mean"``, the sum
+for ``"sum"``, the max or min), and after the step every rank of the pipeline replays the same
+calls. So every rank (rank 0 included, whose loggers, progress bar and checkpoint callbacks read
+them) sees the values DDP would log for the whole batch, and ``sync_dist`` reduces over the
+replicas of its stage only. torchmetrics ``Metric`` objects are mirrored: their states travel
+from the last stage to the other stages of the pipeline, so ``compute()`` gives the same value
+everywhere and syncs over the data-parallel group, never over ranks that did not update them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from lightning_pipe.checkpoint import is_recomputing
+
+try:  # torchmetrics is a dependency of Lightning, but keep this module importable without it
+    from torchmetrics import Metric
+except ImportError:  # pragma: no cover
+    Metric = ()  # type: ignore[assignment,misc]
+
+_MEAN = {"mean", "avg"}
+_LOG_SIGNATURE = None
+
+
+def _log_signature():
+    global _LOG_SIGNATURE
+    if _LOG_SIGNATURE is None:
+        from lightning.pytorch import LightningModule
+
+        _LOG_SIGNATURE = inspect.signature(LightningModule.log)
+    return _LOG_SIGNATURE
+
+
+def metric_paths(module: nn.Module, exclude: str) -> Dict[int, str]:
+    """``id(metric) -> attribute path`` for every torchmetrics Metric outside the body."""
+    return {
+        id(m): name
+        for name, m in module.named_modules()
+        if isinstance(m, Metric) and not (name == exclude or name.startswith(exclude + "."))
+    }
+
+
+class LogRecorder:
+    """Records ``self.log`` calls per microbatch and folds them into whole-batch calls."""
+
+    def __init__(self, module: nn.Module, body_path: str) -> None:
+        self.module = module
+        self.body_path = body_path
+        self._calls: List[List[Dict[str, Any]]] = []
+        self._metric_paths: Dict[int, str] = {}
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Catch the module's ``log`` calls (``log_dict`` goes through ``log``)."""
+        self._calls = []
+        self._metric_paths = metric_paths(self.module, self.body_path)
+        self.module.log = self._record  # an instance attribute shadows LightningModule.log
+        try:
+            yield
+        finally:
+            del self.module.log
+
+    def start_microbatch(self) -> None:
+        if not is_recomputing():
+            self._calls.append([])
+
+    def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if is_recomputing() or not self._calls:
+            return
+        bound = _log_signature().bind(self.module, name, value, *args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments)
+        call.pop("self")
+        if isinstance(value, Metric):
+            call["value"] = ("metric", self._metric_paths[id(value)], _detach(value._forward_cache))
+        else:
+            call["value"] = _detach(value)
+        self._calls[-1].append(call)
+
+    def fold(self, sizes: Sequence[int]) -> List[Dict[str, Any]]:
+        """One call per name for the whole batch, in the order names were first logged."""
+        by_name: Dict[str, List[Tuple[int, Dict[str, Any]]]] = {}
+        for size, calls in zip(sizes, self._calls):
+            for call in calls:
+                by_name.setdefault(call["name"], []).append((size, call))
+        return [_fold_one(entries) for entries in by_name.values()]
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _detach(v) for k, v in value.items()}
+    return value
+
+
+def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any) -> Any:
+    if values[0] is None:
+        return None
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
+    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
+    if name in _MEAN:
+        weights = torch.tensor(sizes, dtype=torch.float64).reshape(-1, *([1] * (stacked.dim() - 1)))
+        folded = (stacked * weights).sum(0) / weights.sum()
+    elif name == "sum":
+        folded = stacked.sum(0)
+    elif name == "max":
+        folded = stacked.max(0).values
+    elif name == "min":
+        folded = stacked.min(0).values
+    else:
+        folded = reduce_fx(stacked)
+    first = values[0]
+    return folded.to(first.dtype) if isinstance(first, torch.Tensor) else folded.item()
+
+
+def _fold_one(entries: List[Tuple[int, Dict[str, Any]]]) -> Dict[str, Any]:
+    sizes = [size for size, _ in entries]
+    calls = [call for _, call in entries]
+    folded = dict(calls[-1])
+    if calls[-1]["batch_size"] is not None:
+        folded["batch_size"] = sum(c["batch_size"] for c in calls)
+        sizes = [c["batch_size"] for c in calls]
+    value = calls[-1]["value"]
+    if isinstance(value, tuple) and value and value[0] == "metric":
+        forward = _reduce([c["value"][2] for c in calls], sizes, "mean")
+        folded["value"] = ("metric", value[1], forward)
+    elif isinstance(value, (torch.Tensor, int, float)):
+        folded["value"] = _reduce([c["value"] for c in calls], sizes, calls[-1]["reduce_fx"])
+    return folded
+
+
+def metric_states(module: nn.Module, body_path: str) -> Dict[str, Dict[str, Any]]:
+    """The states of every Metric outside the body, to mirror onto the other stages."""
+    out = {}
+    for path in metric_paths(module, body_path).values():
+        metric = module.get_submodule(path)
+        state = {name: _detach(getattr(metric, name)) for name in metric._defaults}
+        state["_update_count"] = metric._update_count
+        out[path] = state
+    return out
+
+
+def load_metric_states(module: nn.Module, states: Dict[str, Dict[str, Any]], device: torch.device) -> None:
+    for path, state in states.items():
+        metric = module.get_submodule(path)
+        for name, value in state.items():
+            if name == "_update_count":
+                metric._update_count = value
+            elif isinstance(value, list):
+                setattr(metric, name, [v.to(device) for v in value])
+            else:
+                setattr(metric, name, value.to(device))
+        metric._computed = None
+
+
+def replay(module: nn.Module, calls: List[Dict[str, Any]], device: torch.device) -> None:
+    """Log the folded calls on this rank with Lightning's own ``LightningModule.log``."""
+    for call in calls:
+        call = dict(call)
+        value = call.pop("value")
+        if isinstance(value, tuple) and value and value[0] == "metric":
+            metric = module.get_submodule(value[1])
+            metric._forward_cache = value[2].to(device) if isinstance(value[2], torch.Tensor) else value[2]
+            value = metric
+        elif isinstance(value, torch.Tensor):
+            value = value.to(device)
+        elif isinstance(value, dict):
+            value = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+        module.log(call.pop("name"), value, **call)

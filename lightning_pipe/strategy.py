@@ -1,0 +1,559 @@
+"""PipeStrategy: pipeline parallelism for an unchanged LightningModule.
+
+Glue only. The body is split by :mod:`lightning_pipe.partition`, run by
+:class:`lightning_pipe.pipeline.Pipeline`, logged through :mod:`lightning_pipe.lightning.logs`
+and saved through :mod:`lightning_pipe.lightning.state`. Process layout: ``world = pp x dp`` on a
+DeviceMesh with dims ``("pp", "dp")``, pp outermost, so stage ``s`` holds global ranks
+``s*dp ... s*dp+dp-1``.
+
+Inside one automatic-optimization step Lightning runs ``training_step -> zero_grad -> backward``.
+The pipeline computes the gradients inside ``training_step``; they are set aside there (so the
+``zero_grad`` that follows cannot wipe them) and put back in :meth:`PipeStrategy.backward`, which
+still runs the precision plugin's hooks so ``on_before_backward``/``on_after_backward`` fire.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_pipe.checkpoint import check_checkpoint
+from lightning_pipe.errors import ConfigurationError, PartitionError
+from lightning_pipe.lightning import logs, state
+from lightning_pipe.lightning.body import BodyReached, PipelinedBody, find_body, set_submodule
+from lightning_pipe.microbatch import gather
+from lightning_pipe.partition import (
+    SequentialModel,
+    balance_by_parameters,
+    check_balance,
+    split_points,
+)
+from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.schedule import SCHEDULES
+
+
+def _loss_of(output: Any, hook: str) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigurationError(
+            f"under PipeStrategy, {hook} must return the loss (a tensor, or a dict with 'loss') for every "
+            f"microbatch, got {type(output).__name__}; skipping a batch by returning None is not supported"
+        )
+    return loss
+
+
+class _FirstStage(nn.Module):
+    """The first stage's module: the user's step up to (and through) the local part of the body."""
+
+    def __init__(self, strategy: "PipeStrategy", module: nn.Module) -> None:
+        super().__init__()
+        self.module = module  # registered so its parameters are not counted as activations
+        self.__dict__["strategy"] = strategy  # not a submodule
+
+    def forward(self, batch: Any):
+        strategy = self.strategy
+        body = strategy._body
+        last = body.num_stages == 1
+        strategy._recorder.start_microbatch()
+        body.mode = "local" if last else "stop"
+        try:
+            output = getattr(self.module, strategy._hook)(batch, *strategy._hook_args)
+        except BodyReached as reached:
+            return reached.outputs
+        finally:
+            body.mode = "local"
+        if not last:
+            raise ConfigurationError(
+                f"{strategy._hook} returned without calling the body `self.{strategy._body_path}`; "
+                "under PipeStrategy every step must call it once"
+            )
+        return _loss_of(output, strategy._hook) if strategy._hook == "training_step" else (output,)
+
+
+class PipeStrategy(DDPStrategy):
+    """Pipeline parallelism (GPipe or 1F1B) composed with data parallelism, for Lightning.
+
+    Args:
+        pipe_size: number of pipeline stages; the remaining factor of the world size replicates
+            the pipeline (data parallelism). Default: all processes form one pipeline.
+        num_microbatches: microbatches per batch. Default: ``2 * pipe_size``.
+        schedule: ``"1f1b"`` (less activation memory) or ``"gpipe"``.
+        checkpoint: activation checkpointing, ``"always"``, ``"except_last"`` or ``"never"``.
+        deferred_batch_norm: reserved; deferred BatchNorm statistics are not implemented yet.
+        balance: layers per stage; default balanced by parameter count.
+        body: attribute path of the ``nn.Sequential`` to pipeline; default: the only one.
+        gather_full_model: after ``fit``, put the whole trained model back into the
+            LightningModule on every rank (set False to save memory; then the module refuses to run).
+        timeout: how long a rank waits for a message or collective before failing.
+
+    Example:
+        >>> strategy = PipeStrategy(pipe_size=2, num_microbatches=4, schedule="gpipe")
+        >>> strategy.schedule
+        'gpipe'
+    """
+
+    strategy_name = "pipe"
+
+    def __init__(
+        self,
+        pipe_size: Optional[int] = None,
+        num_microbatches: Optional[int] = None,
+        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        checkpoint: Union[Literal["always", "except_last", "never"], bool] = "never",
+        deferred_batch_norm: bool = False,
+        balance: Optional[List[int]] = None,
+        body: Optional[str] = None,
+        gather_full_model: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        for name, value in (("pipe_size", pipe_size), ("num_microbatches", num_microbatches)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigurationError(f"PipeStrategy({name}={value!r}): give a positive integer or None")
+        if schedule not in SCHEDULES:
+            raise ConfigurationError(f"PipeStrategy(schedule={schedule!r}): choose one of {sorted(SCHEDULES)}")
+        if deferred_batch_norm:
+            raise ConfigurationError("PipeStrategy(deferred_batch_norm=True) is not implemented yet")
+        if start_method != "popen":
+            raise ConfigurationError(
+                f"PipeStrategy(start_method={start_method!r}): only 'popen' is supported; the spawn and fork "
+                "launchers copy rank 0's (partitioned) module back into the main process, which would lose the other stages"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.pipe_size = pipe_size
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.checkpoint = check_checkpoint(checkpoint)
+        self.balance = list(balance) if balance is not None else None
+        self.body = body
+        self.gather_full_model = gather_full_model
+        self._pipeline: Optional[Pipeline] = None
+        self._body: Optional[PipelinedBody] = None
+        self._full_body: List[nn.Sequential] = []  # a list, so the module is not registered anywhere
+        self._body_path = ""
+        self._hook = "training_step"
+        self._hook_args: tuple = ()
+        self._pending_grads: Dict[nn.Parameter, torch.Tensor] = {}
+        self._owner: Dict[str, int] = {}
+        self._tied: List[str] = []
+        self._probed = False
+        self._layouts: List[List[List[str]]] = []
+
+    # -- topology ------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def pp_size(self) -> int:
+        return self.pipe_size if self.pipe_size is not None else self.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.pp_size
+
+    @property
+    def stage_index(self) -> int:
+        return self.global_rank // self.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.global_rank % self.dp_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    def _check_topology(self) -> None:
+        if self.world_size % self.pp_size:
+            raise ConfigurationError(
+                f"PipeStrategy(pipe_size={self.pipe_size}) must divide the number of processes "
+                f"(devices x num_nodes = {self.world_size}); use a pipe_size among "
+                f"{[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
+            )
+
+    def setup_environment(self) -> None:
+        self._check_topology()
+        super().setup_environment()
+        self._mesh = init_device_mesh(
+            self.root_device.type, (self.pp_size, self.dp_size), mesh_dim_names=("pp", "dp")
+        )
+        self.pp_group = self._mesh.get_group("pp")
+        self.dp_group = self._mesh.get_group("dp")
+        self._pp_ranks = dist.get_process_group_ranks(self.pp_group)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not module.automatic_optimization:
+            raise ConfigurationError(
+                "PipeStrategy supports automatic optimization only: the pipeline runs forward and backward "
+                "inside training_step. Remove `self.automatic_optimization = False`"
+            )
+        if str(getattr(self.precision_plugin, "precision", "")) in ("16-mixed", "16"):
+            raise ConfigurationError(
+                "PipeStrategy does not support precision='16-mixed' yet (per-microbatch loss scaling); "
+                "use precision='bf16-mixed' or '32-true'"
+            )
+        if self._body is None:
+            self._partition(module)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._pipeline = Pipeline(
+            self._body if self.stage_index > 0 else _FirstStage(self, module),
+            chunks=self.num_microbatches or 2 * self.pp_size,
+            process_group=self.pp_group,
+            schedule=self.schedule,
+            checkpoint=self.checkpoint,
+            timeout=self._timeout or default_pg_timeout,
+            device=self.root_device,
+        )
+        self._recorder = logs.LogRecorder(module, self._body_path)
+        for metric in (m for m in module.modules() if isinstance(m, logs.Metric)):
+            if metric.process_group is None:
+                metric.process_group = self.dp_group
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._record_layouts()
+            self._use_global_clipping()
+            self._print_summary()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _partition(self, module: nn.Module) -> None:
+        path, body = find_body(module, self.body)
+        names = list(body._modules)
+        if self.pp_size > len(names):
+            raise PartitionError(
+                f"PipeStrategy(pipe_size={self.pp_size}) needs at least {self.pp_size} layers, but the body "
+                f"`{path}` has {len(names)}; use pipe_size <= {len(names)} or split the body into more layers"
+            )
+        balance = self.balance
+        balance = check_balance(balance, len(names), self.pp_size) if balance is not None else balance_by_parameters(body, self.pp_size)
+        self._balance = balance
+        from lightning.pytorch.overrides.distributed import _sync_module_states
+
+        _sync_module_states(module)  # every stage and replica starts from rank 0's weights, as DDP does
+        self._param_order = [n for n, _ in module.named_parameters()]
+        self._key_order = list(module.state_dict())
+        start, stop = split_points(balance)[self.stage_index]
+        layers = OrderedDict((n, body._modules[n]) for n in names[start:stop])
+        self._body = PipelinedBody(layers, isinstance(body, SequentialModel), self.stage_index, self.pp_size)
+        self._full_body = [body]
+        self._body_path = path
+        set_submodule(module, path, self._body)
+
+    def _restore_body(self) -> None:
+        if self._body is None:
+            return
+        set_submodule(self.lightning_module, self._body_path, self._full_body[0])
+        self._body = None
+        self._pipeline = None
+
+    def _print_summary(self) -> None:
+        body = self._full_body[0]
+        rows = []
+        for s, (start, stop) in enumerate(split_points(self._balance)):
+            layer_names = list(body._modules)[start:stop]
+            params = sum(p.numel() for n in layer_names for p in body._modules[n].parameters())
+            ranks = list(range(s * self.dp_size, (s + 1) * self.dp_size))
+            rows.append(f"  stage {s}: layers {layer_names[0]}..{layer_names[-1]} ({stop - start}), "
+                        f"{params:,} parameters, ranks {ranks}")
+        m = self._pipeline.chunks
+        p = self.pp_size
+        rank_zero_info(
+            f"PipeStrategy: {p} stages x {self.dp_size} replicas, schedule {self.schedule}, "
+            f"{m} microbatches, checkpoint {self.checkpoint}, body `{self._body_path}`, "
+            f"ideal bubble {(p - 1) / (m + p - 1):.1%}\n" + "\n".join(rows)
+        )
+
+    # -- training ------------------------------------------------------------------------------
+    def _take_grads(self) -> Dict[nn.Parameter, Optional[torch.Tensor]]:
+        grads = {}
+        for p in self.lightning_module.parameters():
+            grads[p] = p.grad
+            p.grad = None
+        return grads
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, self._hook_args, self._hook = args[0], args[1:], "training_step"
+        first, last = self.stage_index == 0, self.stage_index == self.pp_size - 1
+        trainer = self.lightning_module.trainer
+        with self.precision_plugin.train_step_context():
+            earlier = self._take_grads()
+            with self._recorder.recording():
+                loss, _ = self._pipeline.forward_backward(
+                    *((batch,) if first else ()),
+                    criterion=self._last_stage_loss if last else None,
+                    labels=(batch,) if last else (),
+                    loss_scale=1.0 / trainer.accumulate_grad_batches,
+                )
+            if not self._probed:
+                self._probe_usage()
+            self._pending_grads = self._take_grads()
+            for p, g in earlier.items():
+                p.grad = g
+        return self._share_results(loss, self._recorder.fold(self._pipeline.last_sizes) if last else None)
+
+    def _last_stage_loss(self, *outputs_and_batch: Any) -> torch.Tensor:
+        *outputs, batch = outputs_and_batch
+        return _loss_of(self._run_replaced(tuple(outputs), batch), "training_step")
+
+    def _run_replaced(self, outputs: tuple, batch: Any) -> Any:
+        """Run the user's hook on the last stage with the body's output taken from the pipeline."""
+        self._recorder.start_microbatch()
+        self._body.mode, self._body.replacement = "replace", outputs
+        try:
+            return getattr(self.lightning_module, self._hook)(batch, *self._hook_args)
+        finally:
+            self._body.mode, self._body.replacement = "local", None
+
+    def _share_results(self, loss: Optional[torch.Tensor], calls: Optional[list], outputs: Any = None) -> Any:
+        """Send the last stage's loss, logs, metric states and outputs to the whole pipeline; log them."""
+        module = self.lightning_module
+        last = self.stage_index == self.pp_size - 1
+        payload = [(loss, calls, logs.metric_states(module, self._body_path), outputs) if last else None]
+        if self.pp_size > 1:
+            dist.broadcast_object_list(payload, src=self._pp_ranks[-1], group=self.pp_group, device=self._object_device())
+        loss, calls, metric_states, outputs = payload[0]
+        if not last:
+            logs.load_metric_states(module, metric_states, self.root_device)
+        logs.replay(module, calls, self.root_device)
+        if loss is not None:
+            loss = loss.to(self.root_device)
+        return loss if outputs is None else outputs
+
+    def _object_device(self) -> Optional[torch.device]:
+        return self.root_device if dist.get_backend(self.pp_group) == "nccl" else None
+
+    def _probe_usage(self) -> None:
+        """Learn which stages use each parameter outside the body: its owner, and tied weights."""
+        module = self.lightning_module
+        prefix = self._body_path + "."
+        used = [n for n, p in module.named_parameters() if not n.startswith(prefix) and p.grad is not None]
+        per_stage: List[Any] = [None] * self.pp_size
+        dist.all_gather_object(per_stage, used, group=self.pp_group)
+        stages: Dict[str, List[int]] = {}
+        for s, names in enumerate(per_stage):
+            for n in names:
+                stages.setdefault(n, []).append(s)
+        self._owner = {n: min(s) for n, s in stages.items()}
+        self._tied = sorted(n for n, s in stages.items() if len(s) > 1)
+        if self._tied:
+            rank_zero_info(f"PipeStrategy: parameters used on several stages, kept in sync: {self._tied}")
+        self._probed = True
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for p, g in self._pending_grads.items():
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        self._pending_grads = {}
+        self._sync_tied_grads()
+        if self.dp_size > 1 and not module.trainer.fit_loop.epoch_loop._should_accumulate():
+            self._average_over_replicas()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _sync_tied_grads(self) -> None:
+        params = dict(self.lightning_module.named_parameters())
+        for name in self._tied:
+            p = params[name]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad, group=self.pp_group)
+            p.grad = grad
+
+    def _average_over_replicas(self) -> None:
+        grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+    def _owned(self) -> set:
+        """State-dict keys whose authoritative value lives on this rank."""
+        module = self.lightning_module
+        prefix = self._body_path + "."
+        return {
+            k for k in module.state_dict()
+            if k.startswith(prefix) or state.owner_of_key(k, self._owner) == self.stage_index
+        }
+
+    def _use_global_clipping(self) -> None:
+        """Clip by the norm over all stages, not per stage (the precision plugin's is local)."""
+        plugin = self.precision_plugin
+        names = state.parameter_names(self.lightning_module)
+        strategy = self
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
+            owned = strategy._owned()
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            mine = [p.grad for g in optimizer.param_groups for p in g["params"]
+                    if p.grad is not None and names[id(p)] in owned]
+            device = strategy.root_device
+            square = torch.zeros((), dtype=torch.float32, device=device)
+            for g in mine:
+                square += torch.linalg.vector_norm(g.float(), 2.0).to(device) ** 2
+            dist.all_reduce(square, group=strategy.pp_group)
+            coefficient = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coefficient.to(g.device, g.dtype))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def _eval_step(self, hook: str, context: Any, args: tuple) -> Any:
+        if self.pp_size == 1:
+            with context:
+                return getattr(self.lightning_module, hook)(*args)
+        batch, self._hook_args, self._hook = args[0], args[1:], hook
+        first, last = self.stage_index == 0, self.stage_index == self.pp_size - 1
+        with context, self._recorder.recording():
+            per_microbatch = self._pipeline.forward_microbatches(*((batch,) if first else ()))
+            outputs = None
+            if last:
+                from lightning_pipe.microbatch import scatter
+
+                parts = scatter((batch,), len(per_microbatch), self._pipeline.batch_dim)
+                results = [self._run_replaced(out, part[0]) for out, part in zip(per_microbatch, parts)]
+                outputs = _merge_outputs(results)
+        calls = self._recorder.fold(self._pipeline.last_sizes) if last else None
+        outputs = self._share_results(None, calls, outputs if hook == "predict_step" else None)
+        return outputs
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context(), args)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", self.precision_plugin.test_step_context(), args)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _record_layouts(self) -> None:
+        names = state.parameter_names(self.lightning_module)
+        self._layouts = []
+        for optimizer in self.optimizers:
+            per_stage: List[Any] = [None] * self.pp_size
+            dist.all_gather_object(per_stage, state.group_names(optimizer, names), group=self.pp_group)
+            self._layouts.append(state.full_layout(per_stage, self._param_order))
+
+    def _gather_to_zero(self, contribution: Any) -> Optional[list]:
+        gathered = [None] * dist.get_world_size() if self.is_global_zero else None
+        dist.gather_object(contribution if self.dp_rank == 0 else None, gathered, dst=0)
+        return [c for c in gathered if c is not None] if gathered is not None else None
+
+    def _full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        parts = self._gather_to_zero(state.module_contribution(self.lightning_module, self._owned()))
+        if parts is None:
+            return None
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        return OrderedDict((k, merged[k]) for k in self._key_order if k in merged)
+
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        if self._body is None:
+            return super().lightning_module_state_dict()
+        full = self._full_state_dict()
+        return full if full is not None else {}
+
+    def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
+        if self._body is None:
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        index = [getattr(o, "_optimizer", o) for o in self.optimizers].index(optimizer)
+        names = state.parameter_names(self.lightning_module)
+        owned = self._owned()
+        parts = self._gather_to_zero(state.optimizer_contribution(optimizer, names, owned))
+        return state.assemble_optimizer(parts, self._layouts[index]) if parts is not None else {}
+
+    def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
+        if self._body is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        module = self.lightning_module
+        local = set(module.state_dict())
+        module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in local}, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
+        if self._body is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        names = state.parameter_names(self.lightning_module)
+        for optimizer, layout, saved in zip(self.optimizers, self._layouts, checkpoint["optimizer_states"]):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            optimizer.load_state_dict(state.localize_optimizer(saved, layout, optimizer, names))
+
+    # -- the end -------------------------------------------------------------------------------
+    def on_train_end(self) -> None:
+        """Put the whole trained model back into the LightningModule (a collective, on every rank)."""
+        if self._body is None or not self.gather_full_model:
+            return
+        full = self._full_state_dict()
+        box = [full]
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        module = self.lightning_module
+        self._restore_body()
+        module.load_state_dict(box[0])
+
+    def teardown(self) -> None:
+        if self._body is not None and self.gather_full_model:
+            # evaluation left the weights as they were: the full body still holds them
+            fitting = self.lightning_module is not None and self.lightning_module._trainer is not None and \
+                self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+            if not fitting:
+                self._restore_body()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, schedule in (("pipe", "1f1b"), ("pipe_1f1b", "1f1b"), ("pipe_gpipe", "gpipe")):
+            strategy_registry.register(
+                name, cls, description=f"Pipeline parallelism with the {schedule} schedule", schedule=schedule
+            )
+
+
+def _merge_outputs(results: Sequence[Any]) -> Any:
+    if all(r is None for r in results):
+        return None
+    try:
+        return gather(list(results))
+    except Exception:  # outputs that do not concatenate (strings, ragged lists) stay per microbatch
+        return list(results)
+
+
+PipeStrategy.register_strategies(StrategyRegistry)
