@@ -1,0 +1,145 @@
+"""A LightningModule that uses what Lightning users rely on, run as a script by the strategy tests.
+
+``python tests/lightning_app.py --strategy pipe --devices 2 --out result.pt`` trains it and, on
+global rank 0, saves the final weights, ``callback_metrics``, the CSV log, the best checkpoint path
+and the predictions to ``--out``. Lightning's launcher re-runs this script for the other ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+import torch
+from torch import nn
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torchmetrics import MeanAbsoluteError
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lightning_pipe  # noqa: E402  (registers the strategy names)
+
+
+class Regressor(pl.LightningModule):
+    """embed -> body (the pipelined nn.Sequential) -> head, with logs, a metric and two param groups."""
+
+    def __init__(self, width: int = 8, depth: int = 6, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Linear(4, width)
+        self.body = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+        self.head = nn.Linear(width, 1)
+        self.train_mae = MeanAbsoluteError()
+        self.val_mae = MeanAbsoluteError()
+
+    def forward(self, x):
+        return self.head(self.body(self.embed(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        loss = nn.functional.mse_loss(out, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_target_sum", y.sum(), reduce_fx="sum", on_step=True, on_epoch=True)
+        self.log("train_out_max", out.max(), reduce_fx="max", on_step=False, on_epoch=True)
+        self.train_mae(out, y)
+        self.log("train_mae", self.train_mae, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        self.log("val_loss", nn.functional.mse_loss(out, y), sync_dist=True)
+        self.val_mae(out, y)
+        self.log("val_mae", self.val_mae)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        body = [p for n, p in self.named_parameters() if n.startswith("body.")]
+        rest = [p for n, p in self.named_parameters() if not n.startswith("body.")]
+        optimizer = torch.optim.SGD(
+            [{"params": body, "lr": self.hparams.lr / 2}, {"params": rest, "weight_decay": 0.01}],
+            lr=self.hparams.lr, momentum=0.9,
+        )
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def loaders(num_replicas_hint: int = 1):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 4, generator=g)
+    y = (x.sum(1, keepdim=True) * 0.5 + 0.1 * torch.randn(96, 1, generator=g))
+    data = torch.utils.data.TensorDataset(x, y)
+    train = torch.utils.data.DataLoader(data, batch_size=12)
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(40)), batch_size=10)
+    return train, val
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="pipe")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--pipe-size", type=int, default=None)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=3)
+    parser.add_argument("--checkpoint", default="never")
+    parser.add_argument("--max-epochs", type=int, default=3)
+    parser.add_argument("--clip-algorithm", default="norm")
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", required=True)
+    return parser.parse_args(argv)
+
+
+def make_strategy(args):
+    if args.strategy == "pipe":
+        return lightning_pipe.PipeStrategy(
+            pipe_size=args.pipe_size, num_microbatches=args.microbatches, schedule=args.schedule,
+            checkpoint=args.checkpoint,
+        )
+    return args.strategy
+
+
+def main(argv=None):
+    args = parse(argv)
+    pl.seed_everything(0)
+    model = Regressor(depth=args.depth)
+    checkpoint = ModelCheckpoint(
+        dirpath=os.path.join(args.root, "ckpt"), monitor="val_loss", save_last=True, save_top_k=-1
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=make_strategy(args), max_epochs=args.max_epochs,
+        accumulate_grad_batches=2, gradient_clip_val=0.5, gradient_clip_algorithm=args.clip_algorithm,
+        logger=CSVLogger(args.root, name="logs", version=0), log_every_n_steps=1,
+        callbacks=[checkpoint, EarlyStopping(monitor="val_loss", patience=5)],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.root,
+    )
+    train, val = loaders()
+    trainer.fit(model, train, val, ckpt_path=args.resume)
+    fit_metrics = {k: v.cpu() for k, v in trainer.callback_metrics.items()}
+    validated = trainer.validate(model, val, verbose=False)
+    predictions = trainer.predict(model, val)
+    if trainer.is_global_zero:
+        with open(os.path.join(args.root, "logs", "version_0", "metrics.csv")) as f:
+            rows = list(csv.DictReader(f))
+        torch.save({
+            "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
+            "callback_metrics": fit_metrics,
+            "csv": rows,
+            "best_model_path": checkpoint.best_model_path,
+            "last_model_path": checkpoint.last_model_path,
+            "validated": validated,
+            "predictions": torch.cat(predictions),
+            "global_step": trainer.global_step,
+        }, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""PipeStrategy end to end: the same run under Lightning's DDP and under the pipeline must agree.
+
+Each run is ``tests/lightning_app.py`` in a subprocess (Lightning's launcher re-executes the script
+per rank), with a hard timeout. The reference runs are cached per session.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+APP = os.path.join(os.path.dirname(__file__), "lightning_app.py")
+TIMEOUT = 240
+
+
+def run_app(tmp_path_factory, name, *args, expect_failure=False):
+    root = tmp_path_factory.mktemp(name)
+    out = root / "result.pt"
+    cmd = [sys.executable, APP, "--root", str(root), "--out", str(out), *map(str, args)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    if expect_failure:
+        assert proc.returncode != 0, "the run was expected to fail"
+        return proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    result = torch.load(out, weights_only=False)
+    result["root"] = root
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Lightning's own DDP on one device: the run every pipelined run must reproduce."""
+    return run_app(tmp_path_factory, "ddp", "--strategy", "ddp", "--devices", 1)
+
+
+def assert_same_run(result, expected):
+    for key, value in expected["state_dict"].items():
+        torch.testing.assert_close(result["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+    assert result["state_dict"].keys() == expected["state_dict"].keys()
+    assert result["callback_metrics"].keys() == expected["callback_metrics"].keys()
+    for key, value in expected["callback_metrics"].items():
+        torch.testing.assert_close(result["callback_metrics"][key], value, msg=lambda m: f"{key}: {m}")
+    assert len(result["csv"]) == len(expected["csv"])
+    for got, want in zip(result["csv"], expected["csv"]):
+        assert got.keys() == want.keys()
+        for key in want:
+            if want[key] == "" or got[key] == "":
+                assert got[key] == want[key], (key, got, want)
+            else:
+                torch.testing.assert_close(float(got[key]), float(want[key]), rtol=1e-5, atol=1e-6)
+    for got, want in zip(result["validated"], expected["validated"]):
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result["predictions"], expected["predictions"])
+    assert os.path.basename(result["best_model_path"]) == os.path.basename(expected["best_model_path"])
+    assert result["global_step"] == expected["global_step"]
+
+
+@pytest.mark.parametrize(
+    "schedule, devices, checkpoint",
+    [("gpipe", 2, "never"), ("1f1b", 3, "except_last")],
+)
+def test_pipelined_fit_equals_ddp(tmp_path_factory, reference, schedule, devices, checkpoint):
+    result = run_app(
+        tmp_path_factory, f"pipe_{schedule}", "--strategy", "pipe", "--devices", devices,
+        "--schedule", schedule, "--checkpoint", checkpoint,
+    )
+    assert_same_run(result, reference)
+
+
+def test_checkpoint_loads_in_a_plain_process(tmp_path_factory, reference):
+    """The ModelCheckpoint written under PipeStrategy is an ordinary checkpoint of the whole model."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from lightning_app import Regressor
+
+    result = run_app(tmp_path_factory, "pipe_ckpt", "--strategy", "pipe", "--devices", 2, "--max-epochs", 1)
+    checkpoint = torch.load(result["last_model_path"], weights_only=False)
+    assert list(checkpoint["state_dict"]) == list(Regressor().state_dict())
+    model = Regressor.load_from_checkpoint(result["last_model_path"])
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, result["state_dict"][key])
+    # the optimizer state is in the unpartitioned layout: one entry per parameter with momentum
+    optimizer = checkpoint["optimizer_states"][0]
+    assert [len(g["params"]) for g in optimizer["param_groups"]] == [12, 4]
+    assert sorted(optimizer["state"]) == list(range(16))
+
+
+@pytest.fixture(scope="module")
+def first_epoch_checkpoint(tmp_path_factory):
+    result = run_app(tmp_path_factory, "pipe_epoch0", "--strategy", "pipe", "--devices", 2, "--max-epochs", 1)
+    return os.path.join(os.path.dirname(result["last_model_path"]), "epoch=0-step=4.ckpt")
+
+
+@pytest.mark.parametrize("strategy, devices", [("ddp", 1), ("pipe", 3)])
+def test_resume_from_pipelined_checkpoint(tmp_path_factory, reference, first_epoch_checkpoint, strategy, devices):
+    """Resuming a pipe_size=2 checkpoint under a plain Trainer or 3 stages ends like an uninterrupted run."""
+    result = run_app(
+        tmp_path_factory, f"resume_{strategy}", "--strategy", strategy, "--devices", devices,
+        "--resume", first_epoch_checkpoint,
+    )
+    for key, value in reference["state_dict"].items():
+        torch.testing.assert_close(result["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+    assert result["global_step"] == reference["global_step"]
+
+
+def test_more_stages_than_layers_fails_on_every_rank(tmp_path_factory):
+    output = run_app(
+        tmp_path_factory, "too_deep", "--strategy", "pipe", "--devices", 3, "--depth", 1, expect_failure=True
+    )
+    assert output.count("PartitionError") >= 3, output[-3000:]
+    assert "needs at least 3 layers" in output
+
+
+def test_pipe_size_must_divide_devices(tmp_path_factory):
+    output = run_app(
+        tmp_path_factory, "bad_size", "--strategy", "pipe", "--devices", 2, "--pipe-size", 3, expect_failure=True
+    )
+    assert "must divide the number of processes" in output, output[-3000:]
