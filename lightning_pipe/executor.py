@@ -14,9 +14,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from lightning_pipe.errors import PipelineAbortedError, PipelineStepError
-from lightning_pipe.schedule.action import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from lightning_pipe.schedule.action import (
+    RECV_B, RECV_F, RECV_SKIP, RECV_SKIP_GRAD, SEND_B, SEND_F, SEND_SKIP, SEND_SKIP_GRAD, Action, B, F,
+)
+from lightning_pipe.skip.layout import SkipLayout
 from lightning_pipe.stage import Stage
-from lightning_pipe.transport import PendingRecv, Transport
+from lightning_pipe.transport import ACTIVATIONS, GRADIENTS, SKIP_GRADIENTS, SKIPS, PendingRecv, Transport
 
 
 class StepResult:
@@ -28,6 +31,13 @@ class StepResult:
         self.wall_seconds = 0.0
 
 
+_TAG = {
+    SEND_F: ACTIVATIONS, RECV_F: ACTIVATIONS, SEND_B: GRADIENTS, RECV_B: GRADIENTS,
+    SEND_SKIP: SKIPS, RECV_SKIP: SKIPS, SEND_SKIP_GRAD: SKIP_GRADIENTS, RECV_SKIP_GRAD: SKIP_GRADIENTS,
+}
+_WHAT = {RECV_F: "activations", RECV_B: "gradients", RECV_SKIP: "skip tensors", RECV_SKIP_GRAD: "skip gradients"}
+
+
 class Executor:
     """Executes lowered rows for one stage.
 
@@ -35,13 +45,16 @@ class Executor:
         stage: the local stage.
         transport: its transport.
         pp_rank: this rank's index in the pipeline (for messages).
-        lookahead: receives posted ahead of need, per direction.
+        layout: the skip layout (which skip names cross from which stage to which).
+        lookahead: receives posted ahead of need, per kind of message and peer.
     """
 
-    def __init__(self, stage: Stage, transport: Transport, pp_rank: int, lookahead: int = 2) -> None:
+    def __init__(self, stage: Stage, transport: Transport, pp_rank: int, layout: Optional[SkipLayout] = None,
+                 lookahead: int = 2) -> None:
         self.stage = stage
         self.transport = transport
         self.pp_rank = pp_rank
+        self.layout = layout
         self.lookahead = lookahead
         self._handlers = {F: self._forward, B: self._backward}
 
@@ -55,19 +68,19 @@ class Executor:
         keep_outputs: bool = False,
     ) -> StepResult:
         """Run ``row``; ``inputs`` are stage 0's microbatches, ``loss_fn`` is the last stage's criterion."""
-        self._step = step
         self._current: Optional[Action] = None
         self._num_microbatches = num_microbatches
         self._inputs = inputs
         self._loss_fn = loss_fn
         self._keep_outputs = keep_outputs
-        self._received: Dict[tuple, tuple] = {}
         self._posted: Dict[tuple, PendingRecv] = {}
-        self._outputs: Dict[int, tuple] = {}
-        self._grads: Dict[int, tuple] = {}
+        self._outgoing: Dict[tuple, tuple] = {}  # (send kind, peer, microbatch) -> tensors to send
         self._result = StepResult()
-        self._recv_queue = {RECV_F: [a for a in row if a.kind == RECV_F], RECV_B: [a for a in row if a.kind == RECV_B]}
-        self._recv_next = {RECV_F: 0, RECV_B: 0}
+        self._recv_queues: Dict[tuple, List[Action]] = {}
+        for a in row:
+            if a.is_recv:
+                self._recv_queues.setdefault((a.kind, a.peer), []).append(a)
+        self._recv_next = {key: 0 for key in self._recv_queues}
         start = time.perf_counter()
         try:
             self._post_ahead()
@@ -101,66 +114,82 @@ class Executor:
         self._handlers[action.kind](action.microbatch_index)
         self._result.compute_seconds += time.perf_counter() - begin
 
+    def _skip_keys(self, source: int, target: int) -> list:
+        return self.layout.crossing[(source, target)] if self.layout is not None else []
+
     def _forward(self, i: int) -> None:
-        inputs = self._inputs[i] if self.stage.is_first else self._take((RECV_F, i))
-        if self.stage.is_last and self._loss_fn is not None:
-            outputs, _ = self.stage.forward(i, inputs, self._num_microbatches, self._loss_fn)
-        else:
-            outputs = self.stage.forward(i, inputs, self._num_microbatches)
+        s = self.stage.stage_index
+        inputs = self._inputs[i] if self.stage.is_first else self._take(RECV_F, s - 1, i)
+        skips = {}
+        for peer in self._peers(RECV_SKIP):
+            skips.update(zip(self._skip_keys(peer, s), self._take(RECV_SKIP, peer, i)))
+        outputs = self.stage.forward(i, inputs, self._num_microbatches, self._loss_fn, skips)
         if self.stage.is_last:
             if self._keep_outputs:
                 self._result.outputs[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
         else:
-            self._outputs[i] = outputs
+            self._outgoing[(SEND_F, s + 1, i)] = outputs
+        for peer in self._peers(SEND_SKIP):
+            self._outgoing[(SEND_SKIP, peer, i)] = self.stage.outgoing_skips(i, self._skip_keys(s, peer))
 
     def _backward(self, i: int) -> None:
-        grads = None if self.stage.is_last else self._take((RECV_B, i))
-        self._grads[i] = self.stage.backward(i, grads)
+        s = self.stage.stage_index
+        grads = None if self.stage.is_last else self._take(RECV_B, s + 1, i)
+        skip_grads = {}
+        for peer in self._peers(RECV_SKIP_GRAD):
+            keys = self.stage.skips_requiring_grad(i, self._skip_keys(s, peer))
+            skip_grads.update(zip(keys, self._take(RECV_SKIP_GRAD, peer, i)))
+        input_grads, incoming_skip_grads = self.stage.backward(i, grads, skip_grads)
+        if not self.stage.is_first:
+            self._outgoing[(SEND_B, s - 1, i)] = input_grads
+        for peer in self._peers(SEND_SKIP_GRAD):
+            keys = self._skip_keys(peer, s)
+            self._outgoing[(SEND_SKIP_GRAD, peer, i)] = tuple(
+                incoming_skip_grads[k] for k in keys if k in incoming_skip_grads
+            )
+
+    def _peers(self, kind: str) -> list:
+        """The peers this stage exchanges ``kind`` messages with (from the skip layout)."""
+        if self.layout is None:
+            return []
+        s = self.stage.stage_index
+        if kind in (RECV_SKIP, SEND_SKIP_GRAD):
+            return sorted(self.layout.incoming(s))
+        return sorted(self.layout.outgoing(s))
 
     # -- communication ---------------------------------------------------------------------------
     def _run_comm(self, actions: Sequence[Action]) -> None:
         ops, pending = [], []
         for action in actions:
             self._current = action
-            i = action.microbatch_index
-            if action.kind == SEND_F:
-                ops.extend(self.transport.send_activations(i, self._outputs.pop(i)))
-            elif action.kind == SEND_B:
-                ops.extend(self.transport.send_grads(self._grads.pop(i)))
+            kind, i, peer = action.kind, action.microbatch_index, action.peer
+            if action.is_send:
+                ops.extend(self.transport.send(_TAG[kind], peer, i, self._outgoing.pop((kind, peer, i))))
             else:
-                key = (action.kind, i)
+                key = (kind, peer, i)
                 if key not in self._posted:
-                    recv = self._prepare(action)
+                    recv = self.transport.recv(_TAG[kind], peer, i)
                     self._posted[key] = recv
                     ops.extend(recv.ops)
                     pending.append(recv)
-                self._recv_next[action.kind] += 1
+                self._recv_next[(kind, peer)] += 1
         self.transport.issue(ops, pending)
         self._post_ahead()
 
-    def _prepare(self, action: Action) -> PendingRecv:
-        if action.kind == RECV_F:
-            return self.transport.recv_activations(action.microbatch_index)
-        return self.transport.recv_grads(action.microbatch_index)
-
     def _post_ahead(self) -> None:
-        """Post the next receives of each direction whose shapes are known, up to ``lookahead``."""
-        for kind, can_post in ((RECV_F, self.transport.can_post_activations), (RECV_B, self.transport.can_post_grads)):
-            queue = self._recv_queue[kind]
-            start = self._recv_next[kind]
+        """Post the next receives of each kind and peer whose shapes are known, up to ``lookahead``."""
+        for (kind, peer), queue in self._recv_queues.items():
+            start = self._recv_next[(kind, peer)]
             for action in queue[start : start + self.lookahead]:
-                key = (kind, action.microbatch_index)
+                key = (kind, peer, action.microbatch_index)
                 if key in self._posted:
                     continue
-                if not can_post(action.microbatch_index):
+                if not self.transport.can_post(_TAG[kind], peer, action.microbatch_index):
                     break
-                recv = self._prepare(action)
+                recv = self.transport.recv(_TAG[kind], peer, action.microbatch_index)
                 self._posted[key] = recv
                 self.transport.issue(recv.ops, [recv])
 
-    def _take(self, key: tuple) -> tuple:
-        recv = self._posted.pop(key)
-        kind, i = key
-        peer = self.stage.stage_index + (-1 if kind == RECV_F else 1)
-        what = f"{'activations' if kind == RECV_F else 'gradients'} of microbatch {i} from stage {peer}"
-        return self.transport.take(recv, what)
+    def _take(self, kind: str, peer: int, i: int) -> tuple:
+        recv = self._posted.pop((kind, peer, i))
+        return self.transport.take(recv, f"{_WHAT[kind]} of microbatch {i} from stage {peer}")

@@ -16,12 +16,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel
 from lightning_pipe.microbatch import gather, scatter
 from lightning_pipe.schedule import SCHEDULES, gpipe_forward, validate
+from lightning_pipe.skip.layout import SkipLayout, declarations
 from lightning_pipe.stage import Stage
 from lightning_pipe.transport import Transport
 
@@ -57,6 +59,8 @@ class Pipeline:
         broadcast_outputs: whether :meth:`forward` returns the outputs on every stage.
         timeout: how long to wait for one message before failing.
         device: where received tensors go; default: the module's device (NCCL: the current GPU).
+        deferred_batch_norm: replace the stage's BatchNorms with :class:`DeferredBatchNorm`, whose
+            running statistics are updated once per step as if the whole batch ran at once.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class Pipeline:
         broadcast_outputs: bool = False,
         timeout: timedelta = timedelta(minutes=30),
         device: Optional[torch.device] = None,
+        deferred_batch_norm: bool = False,
     ) -> None:
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
@@ -77,6 +82,9 @@ class Pipeline:
             raise ConfigurationError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
         if not dist.is_initialized():
             raise ConfigurationError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+        if deferred_batch_norm:
+            module = DeferredBatchNorm.convert_deferred_batch_norm(module)
+        self.deferred_batch_norm = deferred_batch_norm
         self.module = module
         self.chunks = chunks
         self.batch_dim = batch_dim
@@ -87,6 +95,7 @@ class Pipeline:
         self._stage_index = dist.get_rank(self.group)
         self._num_stages = len(self.ranks)
         checkpoint = check_checkpoint(checkpoint)
+        self.skip_layout = self._skip_layout(module)
         self.stage = Stage(module, self._stage_index, self._num_stages, checkpoint)
         # Private API: the default store is the one place every rank already shares without a new
         # rendezvous; the error channel needs exactly that.
@@ -95,7 +104,7 @@ class Pipeline:
         self.errors = ErrorChannel(store, prefix, timeout, threaded=dist.get_backend(self.group) != "nccl")
         device = device if device is not None else _device_of(module, self.group)
         self.transport = Transport(self.group, self._stage_index, self._num_stages, device, self.errors)
-        self.executor = Executor(self.stage, self.transport, self._stage_index)
+        self.executor = Executor(self.stage, self.transport, self._stage_index, self.skip_layout)
         self._rows: Dict[Tuple[str, int], tuple] = {}
         self._signature = None
         self._step = 0
@@ -112,11 +121,25 @@ class Pipeline:
 
     stage_id = stage_index
 
+    def _skip_layout(self, module: nn.Module) -> Optional[SkipLayout]:
+        """Gather every stage's stash/pop declarations (a collective over the group, once)."""
+        local = declarations(list(module.named_children()) if isinstance(module, nn.Sequential) else [("", module)])
+        per_stage: List[Any] = [None] * self._num_stages
+        if self._num_stages > 1:
+            dist.all_gather_object(per_stage, local, group=self.group)
+        else:
+            per_stage = [local]
+        if not any(per_stage):
+            return None
+        return SkipLayout(per_stage)
+
     def _row(self, name: str, num_microbatches: int) -> tuple:
         key = (name, num_microbatches)
         if key not in self._rows:
             generator = gpipe_forward if name == "forward" else SCHEDULES[name]
-            self._rows[key] = validate(generator(self._num_stages, num_microbatches))[self._stage_index]
+            routes = self.skip_layout.routes if self.skip_layout is not None else ()
+            tables = generator(self._num_stages, num_microbatches)
+            self._rows[key] = validate(tables, routes)[self._stage_index]
         return self._rows[key]
 
     def _start_step(self, inputs: tuple) -> Tuple[Optional[list], list]:
@@ -195,13 +218,18 @@ class Pipeline:
             self._row(self.schedule, num_microbatches), self._step, num_microbatches,
             microbatches, loss_fn, keep_outputs=return_outputs,
         )
-        self._step += 1
-        self.last_step = result
+        self._finish_step(result)
         if not self.stage.is_last:
             return None, None
         loss = torch.stack([losses[i] for i in range(num_microbatches)]).sum()
         outputs = self._merge([result.outputs[i] for i in range(num_microbatches)]) if return_outputs else None
         return loss, outputs
+
+    def _finish_step(self, result: StepResult) -> None:
+        if self.deferred_batch_norm:
+            commit_deferred_batch_norm(self.module)
+        self._step += 1
+        self.last_step = result
 
     def forward_microbatches(self, *inputs: Any) -> Optional[List[tuple]]:
         """Run forward only and return the last stage's outputs per microbatch (None elsewhere)."""
@@ -211,8 +239,7 @@ class Pipeline:
             self._row("forward", num_microbatches), self._step, num_microbatches, microbatches, keep_outputs=True
         )
         self.stage.clear()  # a forward-only step under grad mode keeps no graph for later
-        self._step += 1
-        self.last_step = result
+        self._finish_step(result)
         return [result.outputs[i] for i in range(num_microbatches)] if self.stage.is_last else None
 
     def forward(self, *inputs: Any) -> Any:
@@ -273,8 +300,12 @@ class GPipe(Pipeline):
         checkpoint: Union[str, bool] = "never",
         broadcast_outputs: bool = True,
         timeout: timedelta = timedelta(minutes=30),
+        deferred_batch_norm: bool = False,
     ) -> None:
-        super().__init__(module, chunks, process_group, batch_dim, checkpoint, "gpipe", broadcast_outputs, timeout)
+        super().__init__(
+            module, chunks, process_group, batch_dim, checkpoint, "gpipe", broadcast_outputs, timeout,
+            deferred_batch_norm=deferred_batch_norm,
+        )
 
 
 class PipeDream(Pipeline):
@@ -288,5 +319,9 @@ class PipeDream(Pipeline):
         batch_dim: int = 0,
         checkpoint: Union[str, bool] = False,
         timeout: timedelta = timedelta(minutes=30),
+        deferred_batch_norm: bool = False,
     ) -> None:
-        super().__init__(module, chunks, process_group, batch_dim, checkpoint, "1f1b", False, timeout)
+        super().__init__(
+            module, chunks, process_group, batch_dim, checkpoint, "1f1b", False, timeout,
+            deferred_batch_norm=deferred_batch_norm,
+        )

@@ -1,13 +1,15 @@
 """One stage's forward and backward for one microbatch, with no communication.
 
 The stage keeps, per pending microbatch, what its backward needs: the inputs it received (leaves
-whose ``.grad`` becomes the gradient to send back) and the outputs (or the loss) to backpropagate
-from. It applies the checkpoint policy and counts activation memory.
+whose ``.grad`` becomes the gradient to send back), the outputs (or the loss) to backpropagate
+from, and the skip tensors it received or stashed for later stages. It applies the checkpoint
+policy and counts activation memory.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from contextlib import nullcontext
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from torch import nn
 from lightning_pipe.checkpoint import checkpointed, should_checkpoint
 from lightning_pipe.errors import PipelineStepError
 from lightning_pipe.memory import ActivationMeter
+from lightning_pipe.skip.tracker import Key, SkipTracker, use_tracker
 
 
 def as_tuple(value) -> tuple:
@@ -23,6 +26,13 @@ def as_tuple(value) -> tuple:
 
 def needs_grad(tensor) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.requires_grad
+
+
+class _Pending(NamedTuple):
+    inputs: tuple  # what the stage received (leaves) or was given
+    roots: tuple  # what backward starts from: the outputs, or the loss on the last stage
+    tracker: SkipTracker  # skip tensors of this microbatch: received ones and stashed ones
+    incoming: Tuple[Key, ...]  # keys of the skip tensors received from earlier stages
 
 
 class Stage:
@@ -41,7 +51,7 @@ class Stage:
         self.num_stages = num_stages
         self.checkpoint = checkpoint
         self.meter = ActivationMeter(module.parameters())
-        self._pending: Dict[int, Tuple[tuple, tuple]] = {}
+        self._pending: Dict[int, _Pending] = {}
 
     @property
     def is_first(self) -> bool:
@@ -59,64 +69,88 @@ class Stage:
             )
         return self.module(*inputs)
 
+    def _run(self, tracker: SkipTracker, *inputs):
+        with use_tracker(tracker):
+            return self._call(*inputs)
+
     def forward(
         self,
         microbatch_index: int,
         inputs: tuple,
         num_microbatches: int,
         loss_fn: Optional[Callable[[int, tuple], torch.Tensor]] = None,
-    ):
-        """Run the forward of one microbatch.
+        skips: Optional[Dict[Key, torch.Tensor]] = None,
+    ) -> tuple:
+        """Run the forward of one microbatch and return its outputs as a tuple.
 
-        Returns the outputs as a tuple; with ``loss_fn`` (last stage) returns ``(outputs, loss)``,
-        where ``loss`` is what the backward starts from.
+        ``skips`` are the skip tensors received from earlier stages. With ``loss_fn`` (last stage)
+        the backward starts from ``loss_fn(microbatch_index, outputs)`` instead of the outputs.
         """
+        skips = skips or {}
+        tracker = SkipTracker(skips)
         keep_graph = torch.is_grad_enabled()
-        if not keep_graph:
-            return self._forward_only(inputs, microbatch_index, loss_fn)
-        use_checkpoint = should_checkpoint(self.checkpoint, microbatch_index, num_microbatches)
-        with self.meter.record(microbatch_index, [x for x in inputs if isinstance(x, torch.Tensor)]):
+        use_checkpoint = keep_graph and should_checkpoint(self.checkpoint, microbatch_index, num_microbatches)
+        kept = [x for x in inputs if isinstance(x, torch.Tensor)] + list(skips.values())
+        with self.meter.record(microbatch_index, kept) if keep_graph else nullcontext():
             if use_checkpoint:
-                outputs = checkpointed(self._call, *inputs)
+                outputs = checkpointed(self._run, tracker, *inputs)
             else:
-                outputs = self._call(*inputs)
+                outputs = self._run(tracker, *inputs)
             outputs = as_tuple(outputs)
             loss = loss_fn(microbatch_index, outputs) if loss_fn is not None else None
-        self._pending[microbatch_index] = (inputs, (loss,) if loss_fn is not None else outputs)
-        return outputs if loss_fn is None else (outputs, loss)
+        roots = (loss,) if loss_fn is not None else outputs
+        self._pending[microbatch_index] = _Pending(tuple(inputs), roots, tracker, tuple(skips))
+        return outputs
 
-    def _forward_only(self, inputs, microbatch_index, loss_fn):
-        outputs = as_tuple(self._call(*inputs))
-        if loss_fn is None:
-            return outputs
-        return outputs, loss_fn(microbatch_index, outputs)
+    def outgoing_skips(self, microbatch_index: int, keys: Sequence[Key]) -> tuple:
+        """The tensors this microbatch stashed under ``keys``, to send to a later stage."""
+        tensors = self._pending[microbatch_index].tracker.tensors
+        return tuple(tensors[k] for k in keys)
 
-    def backward(self, microbatch_index: int, grads: Optional[tuple]) -> tuple:
-        """Backpropagate one microbatch; ``grads`` match the outputs that require grad (None: a loss).
+    def skips_requiring_grad(self, microbatch_index: int, keys: Sequence[Key]) -> List[Key]:
+        tensors = self._pending[microbatch_index].tracker.tensors
+        return [k for k in keys if needs_grad(tensors[k])]
 
-        Returns the gradients of the inputs that require grad, in input order.
+    def backward(
+        self, microbatch_index: int, grads: Optional[tuple], skip_grads: Optional[Dict[Key, torch.Tensor]] = None
+    ) -> Tuple[tuple, Dict[Key, torch.Tensor]]:
+        """Backpropagate one microbatch.
+
+        Args:
+            grads: gradients of the outputs that require grad (None on the last stage: the loss).
+            skip_grads: gradients of the skip tensors this stage stashed for later stages.
+
+        Returns:
+            The gradients of the received inputs that require grad (in input order), and of the
+            received skip tensors that require grad (by key).
         """
-        inputs, outputs = self._pending.pop(microbatch_index)
-        tensors = [out for out in outputs if needs_grad(out)]
-        if grads is None:
-            grad_tensors = None
-        else:
-            grad_tensors = list(grads)
-            if len(grad_tensors) != len(tensors):
-                raise PipelineStepError(
-                    f"stage {self.stage_index} got {len(grad_tensors)} gradients for {len(tensors)} outputs that require grad"
-                )
+        pending = self._pending.pop(microbatch_index)
+        tensors = [out for out in pending.roots if needs_grad(out)]
+        if grads is not None and len(grads) != len(tensors):
+            raise PipelineStepError(
+                f"stage {self.stage_index} got {len(grads)} gradients for {len(tensors)} outputs that require grad"
+            )
+        grad_tensors = list(grads) if grads is not None else [None] * len(tensors)
+        for key, grad in (skip_grads or {}).items():
+            tensors.append(pending.tracker.tensors[key])
+            grad_tensors.append(grad)
         if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
+            torch.autograd.backward(tensors, grad_tensors if any(g is not None for g in grad_tensors) else None)
         self.meter.release(microbatch_index)
-        return tuple(
-            x.grad if x.grad is not None else torch.zeros_like(x)
-            for x in inputs
-            if needs_grad(x) and x.is_leaf
-        )
+        input_grads = tuple(_grad_of(x) for x in pending.inputs if needs_grad(x) and x.is_leaf)
+        incoming = {}
+        for key in pending.incoming:
+            tensor = pending.tracker.tensors[key]
+            if needs_grad(tensor) and tensor.is_leaf:
+                incoming[key] = _grad_of(tensor)
+        return input_grads, incoming
 
     def clear(self) -> None:
         """Drop every pending microbatch (after a failed step)."""
         for index in list(self._pending):
             self.meter.release(index)
         self._pending.clear()
+
+
+def _grad_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)

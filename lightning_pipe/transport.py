@@ -8,8 +8,8 @@ microbatch (so the steady state moves only data); if so, each activation message
 its meta for that step (so variable sequence lengths work). Gradients never need a meta: they
 have the shapes of the activations this stage sent.
 
-Per link and direction messages are matched in FIFO order, which the schedule validator proves
-both ends follow. On gloo, receives are posted ahead of need; on NCCL, where a pair's operations
+Per link, direction and tag, messages are matched in FIFO order, which the schedule validator
+proves both ends follow. On gloo, receives are posted ahead of need; on NCCL, where a pair's operations
 share one stream, the communication of consecutive actions is issued as one
 ``batch_isend_irecv`` group instead (as Megatron does), so opposite sends cannot block each other.
 """
@@ -70,8 +70,17 @@ class PendingRecv:
         self.requires_grad = requires_grad
 
 
+# Message tags: one FIFO stream per kind of message and direction on each link. gloo matches a
+# receive to a send by (peer, tag) in posting order, so posting receives ahead is safe per tag.
+ACTIVATIONS, GRADIENTS, SKIPS, SKIP_GRADIENTS, HEADER = 0, 1, 2, 3, 4
+_DATA_OF_GRADIENT = {GRADIENTS: ACTIVATIONS, SKIP_GRADIENTS: SKIPS}
+
+
 class Transport:
     """Sends and receives one stage's messages over ``group``.
+
+    A message is identified by its tag (``ACTIVATIONS``, ``GRADIENTS``, ``SKIPS``,
+    ``SKIP_GRADIENTS``), the peer stage and the microbatch.
 
     Args:
         group: the pipeline's process group; group rank ``s`` runs stage ``s``.
@@ -83,107 +92,104 @@ class Transport:
 
     def __init__(self, group, stage_index: int, num_stages: int, device: torch.device, errors: ErrorChannel) -> None:
         self.group = group
-        ranks = dist.get_process_group_ranks(group)
-        self.prev_rank = ranks[stage_index - 1] if stage_index > 0 else None
-        self.next_rank = ranks[stage_index + 1] if stage_index < num_stages - 1 else None
+        self.ranks = dist.get_process_group_ranks(group)
         self.stage_index = stage_index
+        self.num_stages = num_stages
         self.device = device
         self.errors = errors
         self.batched = dist.get_backend(group) == "nccl"
-        self.fresh = True  # whether this step's activation messages carry their meta
-        self._recv_meta: Dict[int, List] = {}
-        self._sent_meta: Dict[int, Tuple[int, ...]] = {}
+        self.fresh = True  # whether this step's data messages carry their meta
+        self._recv_meta: Dict[tuple, List] = {}
+        self._sent_meta: Dict[tuple, Tuple[int, ...]] = {}
         self._sends: list = []
 
     # -- step header ---------------------------------------------------------------------------
     def exchange_header(self, header: Optional[List[int]], length: int) -> List[int]:
         """Stage 0 passes its header; other stages receive it. Every stage forwards it on."""
-        if self.prev_rank is not None:
+        if self.stage_index > 0:
             buffer = torch.empty(length, dtype=torch.int64, device=self.device)
-            work = dist.irecv(buffer, self.prev_rank, group=self.group)
+            work = dist.irecv(buffer, self.ranks[self.stage_index - 1], group=self.group, tag=HEADER)
             self.errors.wait(work, f"the step header from stage {self.stage_index - 1}")
             header = buffer.tolist()
-        if self.next_rank is not None:
+        if self.stage_index < self.num_stages - 1:
             tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
-            self._sends.append((dist.isend(tensor, self.next_rank, group=self.group), tensor))
+            self._sends.append((dist.isend(tensor, self.ranks[self.stage_index + 1], group=self.group, tag=HEADER), tensor))
         self.fresh = bool(header[1])
         if self.fresh:
             self._recv_meta.clear()
             self._sent_meta.clear()
         return header
 
-    # -- activations ---------------------------------------------------------------------------
-    def send_activations(self, microbatch_index: int, outputs: Sequence[torch.Tensor]) -> list:
-        """The ops that send one microbatch's stage outputs to the next stage."""
-        meta = encode_meta(outputs)
+    # -- data (activations and skip tensors) -----------------------------------------------------
+    def send(self, tag: int, peer: int, microbatch_index: int, tensors: Sequence[torch.Tensor]) -> list:
+        """The ops that send data tensors of one microbatch to stage ``peer``."""
+        if tag in _DATA_OF_GRADIENT:
+            return [dist.P2POp(dist.isend, t.contiguous(), self.ranks[peer], self.group, tag) for t in tensors]
+        meta = encode_meta(tensors)
+        key = (tag, peer, microbatch_index)
         ops = []
         if self.fresh:
             meta_tensor = torch.zeros(META_SIZE, dtype=torch.int64, device=self.device)
             meta_tensor[: len(meta)] = torch.tensor(meta, dtype=torch.int64)
-            ops.append(dist.P2POp(dist.isend, meta_tensor, self.next_rank, self.group))
-        elif self._sent_meta.get(microbatch_index) != meta:
+            ops.append(dist.P2POp(dist.isend, meta_tensor, self.ranks[peer], self.group, tag))
+        elif self._sent_meta.get(key) != meta:
             raise PipelineStepError(
-                f"the output of stage {self.stage_index} for microbatch {microbatch_index} changed its meta "
-                f"from {self._sent_meta.get(microbatch_index)} to {meta} although stage 0's inputs kept theirs; "
-                "stage output shapes must depend only on the input shapes"
+                f"stage {self.stage_index} sends microbatch {microbatch_index} to stage {peer} with meta {meta}, "
+                f"not {self._sent_meta.get(key)} as in the previous step, although stage 0's inputs kept theirs; "
+                "what a stage sends must depend only on the shapes of the pipeline's inputs"
             )
-        self._sent_meta[microbatch_index] = meta
-        ops.extend(dist.P2POp(dist.isend, t.detach().contiguous(), self.next_rank, self.group) for t in outputs)
+        self._sent_meta[key] = meta
+        ops.extend(dist.P2POp(dist.isend, t.detach().contiguous(), self.ranks[peer], self.group, tag) for t in tensors)
         return ops
 
-    def recv_activations(self, microbatch_index: int) -> PendingRecv:
-        """Prepare to receive one microbatch's inputs (waits for its meta on a fresh step)."""
-        if self.fresh and microbatch_index not in self._recv_meta:
-            meta_tensor = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
-            work = dist.irecv(meta_tensor, self.prev_rank, group=self.group)
-            self.errors.wait(work, f"the meta of microbatch {microbatch_index} from stage {self.stage_index - 1}")
-            self._recv_meta[microbatch_index] = decode_meta(meta_tensor.tolist())
-        meta = self._recv_meta[microbatch_index]
+    def recv(self, tag: int, peer: int, microbatch_index: int) -> PendingRecv:
+        """Prepare to receive one message (waits for its meta on a fresh step)."""
+        if tag in _DATA_OF_GRADIENT:
+            # gradients of what this stage sent: the shapes are known, only those requiring grad come
+            meta = decode_meta(self._sent_meta[(_DATA_OF_GRADIENT[tag], peer, microbatch_index)])
+            meta = [(dtype, False, shape) for dtype, requires_grad, shape in meta if requires_grad]
+        else:
+            key = (tag, peer, microbatch_index)
+            if self.fresh and key not in self._recv_meta:
+                meta_tensor = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
+                work = dist.irecv(meta_tensor, self.ranks[peer], group=self.group, tag=tag)
+                self.errors.wait(work, f"the meta of microbatch {microbatch_index} from stage {peer}")
+                self._recv_meta[key] = decode_meta(meta_tensor.tolist())
+            meta = self._recv_meta[key]
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
-        ops = [dist.P2POp(dist.irecv, b, self.prev_rank, self.group) for b in buffers]
+        ops = [dist.P2POp(dist.irecv, b, self.ranks[peer], self.group, tag) for b in buffers]
         return PendingRecv(buffers, ops, [rg for _, rg, _ in meta])
 
-    def can_post_activations(self, microbatch_index: int) -> bool:
-        return not self.fresh and not self.batched and microbatch_index in self._recv_meta
-
-    # -- gradients -----------------------------------------------------------------------------
-    def send_grads(self, grads: Sequence[torch.Tensor]) -> list:
-        """The ops that send the input gradients of one microbatch back to the previous stage."""
-        return [dist.P2POp(dist.isend, g.contiguous(), self.prev_rank, self.group) for g in grads]
-
-    def recv_grads(self, microbatch_index: int) -> PendingRecv:
-        """Prepare to receive the gradients of the outputs this stage sent for a microbatch."""
-        meta = decode_meta(self._sent_meta[microbatch_index])
-        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, rg, shape in meta if rg]
-        ops = [dist.P2POp(dist.irecv, b, self.next_rank, self.group) for b in buffers]
-        return PendingRecv(buffers, ops, [False] * len(buffers))
-
-    def can_post_grads(self, microbatch_index: int) -> bool:
-        return not self.batched and microbatch_index in self._sent_meta
+    def can_post(self, tag: int, peer: int, microbatch_index: int) -> bool:
+        """Whether a receive can be posted now, ahead of need (never on NCCL)."""
+        if self.batched:
+            return False
+        if tag in _DATA_OF_GRADIENT:
+            return (_DATA_OF_GRADIENT[tag], peer, microbatch_index) in self._sent_meta
+        return not self.fresh and (tag, peer, microbatch_index) in self._recv_meta
 
     # -- issuing and waiting -------------------------------------------------------------------
     def issue(self, ops: list, pending: Sequence[PendingRecv] = ()) -> None:
         """Start ``ops`` (one NCCL group when batched); remember sends until the step ends."""
         if not ops:
             return
-        works = dist.batch_isend_irecv(ops) if self.batched else [op.op(op.tensor, op.peer, op.group) for op in ops]
+        if self.batched:
+            works = dist.batch_isend_irecv(ops)
+        else:
+            works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
         by_tensor = {id(op.tensor): w for op, w in zip(ops, works)}
         for recv in pending:
             recv.works = [by_tensor[id(b)] for b in recv.buffers]
         for op, work in zip(ops, works):
             if op.op is dist.isend:
+                # kept until the step ends: a gloo Work only learns it completed inside wait()
                 self._sends.append((work, op.tensor))
-        self._drop_finished_sends()
 
     def take(self, recv: PendingRecv, what: str) -> tuple:
         """Wait for a receive and return its tensors (floating ones requiring grad as sent)."""
         for work in recv.works:
             self.errors.wait(work, what)
         return tuple(b.requires_grad_(True) if rg else b for b, rg in zip(recv.buffers, recv.requires_grad))
-
-    def _drop_finished_sends(self) -> None:
-        if len(self._sends) > 64:
-            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
 
     def finish(self) -> None:
         """Wait until every send of the step has left."""

@@ -3,8 +3,10 @@
 An action is written compactly as ``"<stage><kind><microbatch>"``: ``"1F3"`` is the forward of
 microbatch 3 on stage 1. Compute kinds are ``F`` (forward) and ``B`` (backward). The lowering pass
 (:mod:`lightning_pipe.schedule.lower`) adds communication kinds: ``SF``/``RF`` send/receive a
-microbatch's activations and ``SB``/``RB`` send/receive its gradients. A communication action's
-``stage_index`` is the stage on the acting rank; its ``peer`` is the stage on the other side.
+microbatch's activations, ``SB``/``RB`` its gradients, ``SS``/``RS`` its skip tensors (straight
+from the stashing stage to the popping stage) and ``SG``/``RG`` their gradients. A communication
+action's ``stage_index`` is the stage on the acting rank; its ``peer`` is the stage on the other
+side.
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ SEND_F = "SF"
 RECV_F = "RF"
 SEND_B = "SB"
 RECV_B = "RB"
+SEND_SKIP = "SS"
+RECV_SKIP = "RS"
+SEND_SKIP_GRAD = "SG"
+RECV_SKIP_GRAD = "RG"
 
 COMPUTE_KINDS = (F, B)
-SEND_KINDS = (SEND_F, SEND_B)
-RECV_KINDS = (RECV_F, RECV_B)
+SEND_KINDS = (SEND_F, SEND_B, SEND_SKIP, SEND_SKIP_GRAD)
+RECV_KINDS = (RECV_F, RECV_B, RECV_SKIP, RECV_SKIP_GRAD)
 COMM_KINDS = SEND_KINDS + RECV_KINDS
 KINDS = COMPUTE_KINDS + COMM_KINDS
 
-_PATTERN = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B)(\d+)(?:@(\d+))?$")
+_PATTERN = re.compile(r"^(\d+)(SF|RF|SB|RB|SS|RS|SG|RG|F|B)(\d+)(?:@(\d+))?$")
 
 
 class Action(NamedTuple):

@@ -7,12 +7,19 @@ executor only follows the row. Rules, for stage ``s`` of ``num_stages``:
 * after ``sFi`` on ``s < last``: send them on to ``s + 1`` (``sSFi@s+1``)
 * before ``sBi`` on ``s < last``: receive their gradients from ``s + 1`` (``sRBi@s+1``)
 * after ``sBi`` on ``s > 0``: send the input gradients back to ``s - 1`` (``sSBi@s-1``)
+
+and for each skip route ``(a, b)`` (stage ``a`` stashes tensors that stage ``b`` pops): ``aSSi@b``
+after ``aFi``, ``bRSi@a`` before ``bFi``, ``bSGi@a`` after ``bBi`` and ``aRGi@b`` before ``aBi``.
 """
 
 from __future__ import annotations
 
 from lightning_pipe.errors import ScheduleError
-from lightning_pipe.schedule.action import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from typing import Sequence, Tuple
+
+from lightning_pipe.schedule.action import (
+    RECV_B, RECV_F, RECV_SKIP, RECV_SKIP_GRAD, SEND_B, SEND_F, SEND_SKIP, SEND_SKIP_GRAD, Action, B, F,
+)
 
 
 def num_stages_of(tables: tuple) -> int:
@@ -25,8 +32,10 @@ def is_lowered(tables: tuple) -> bool:
     return any(a.kind not in (F, B) for row in tables for a in row)
 
 
-def lower(tables: tuple) -> tuple:
+def lower(tables: tuple, routes: Sequence[Tuple[int, int]] = ()) -> tuple:
     """Return ``tables`` with the send/receive actions that its compute actions imply.
+
+    ``routes`` are the (stash stage, pop stage) pairs of skip connections that cross stages.
 
     Example:
         >>> from lightning_pipe.schedule import gpipe
@@ -36,6 +45,8 @@ def lower(tables: tuple) -> tuple:
     if is_lowered(tables):
         raise ScheduleError("lower() takes a table of compute actions only; this one is lowered already")
     last = num_stages_of(tables) - 1
+    out_routes = {a: sorted(b for x, b in routes if x == a) for a, _ in routes}
+    in_routes = {b: sorted(a for a, y in routes if y == b) for _, b in routes}
     new = tuple.__new__  # Action(...) without NamedTuple's argument handling: lowering is hot
     lowered = []
     for row in tables:
@@ -46,15 +57,23 @@ def lower(tables: tuple) -> tuple:
             if kind == F:
                 if s > 0:
                     append(new(Action, (RECV_F, s, i, s - 1)))
+                for peer in in_routes.get(s, ()):
+                    append(new(Action, (RECV_SKIP, s, i, peer)))
                 append(a)
                 if s < last:
                     append(new(Action, (SEND_F, s, i, s + 1)))
+                for peer in out_routes.get(s, ()):
+                    append(new(Action, (SEND_SKIP, s, i, peer)))
             elif kind == B:
                 if s < last:
                     append(new(Action, (RECV_B, s, i, s + 1)))
+                for peer in out_routes.get(s, ()):
+                    append(new(Action, (RECV_SKIP_GRAD, s, i, peer)))
                 append(a)
                 if s > 0:
                     append(new(Action, (SEND_B, s, i, s - 1)))
+                for peer in in_routes.get(s, ()):
+                    append(new(Action, (SEND_SKIP_GRAD, s, i, peer)))
             else:  # pragma: no cover - guarded by is_lowered
                 raise ScheduleError(f"unexpected action {a} in a compute table")
         lowered.append(tuple(out))

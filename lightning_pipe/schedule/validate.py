@@ -14,12 +14,19 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Sequence, Tuple
 
 from lightning_pipe.errors import ScheduleError
-from lightning_pipe.schedule.action import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from lightning_pipe.schedule.action import (
+    RECV_B, RECV_F, RECV_SKIP, RECV_SKIP_GRAD, SEND_B, SEND_F, SEND_SKIP, SEND_SKIP_GRAD, Action, B, F,
+)
 from lightning_pipe.schedule.lower import is_lowered, lower
 
-_MESSAGE_OF = {SEND_F: F, RECV_F: F, SEND_B: B, RECV_B: B}
+# the message a send or receive moves, and the compute action it follows (sends) or feeds (receives)
+_MESSAGE_OF = {SEND_F: "F", RECV_F: "F", SEND_B: "B", RECV_B: "B",
+               SEND_SKIP: "S", RECV_SKIP: "S", SEND_SKIP_GRAD: "G", RECV_SKIP_GRAD: "G"}
+_COMPUTE_OF = {"F": F, "B": B, "S": F, "G": B}
+_SENDS = (SEND_F, SEND_B, SEND_SKIP, SEND_SKIP_GRAD)
 
 
 @dataclass(frozen=True)
@@ -99,13 +106,13 @@ def simulate(
                 in_flight[r] += 1 if kind == F else -1
                 if in_flight[r] > peak[r]:
                     peak[r] = in_flight[r]
-            elif kind == SEND_F or kind == SEND_B:
-                key = (kind == SEND_F, a.stage_index, a.peer, a.microbatch_index)
+            elif kind in _SENDS:
+                key = (_MESSAGE_OF[kind], a.stage_index, a.peer, a.microbatch_index)
                 ready[key] = clock[r] + comm_cost
                 if key in waiting:
                     runnable.append(waiting.pop(key))
             else:
-                key = (kind == RECV_F, a.peer, a.stage_index, a.microbatch_index)
+                key = (_MESSAGE_OF[kind], a.peer, a.stage_index, a.microbatch_index)
                 if key not in ready:
                     waiting[key] = r
                     break
@@ -170,25 +177,31 @@ def _check_links(tables: tuple) -> None:
     errors = []
     for r, row in enumerate(tables):
         done = set()
+        recvs = set()
         for j, a in enumerate(row):
             kind, s, i = a.kind, a.stage_index, a.microbatch_index
             if kind == F or kind == B:
-                needs = RECV_F if kind == F else RECV_B
-                if (s > 0 if kind == F else s < last) and (needs, s, i) not in done:
-                    errors.append((r, j, f"{a} runs before it receives its input ({needs})"))
                 done.add((kind, s, i))
                 continue
             if a.peer not in stage_rank:
                 errors.append((r, j, f"{a} names stage {a.peer}, which no rank runs"))
                 continue
             message = _MESSAGE_OF[kind]
-            if kind == SEND_F or kind == SEND_B:
-                if (message, s, i) not in done:
-                    errors.append((r, j, f"{a} sends before its {message} ran"))
+            compute = _COMPUTE_OF[message]
+            if kind in _SENDS:
+                if (compute, s, i) not in done:
+                    errors.append((r, j, f"{a} sends before {Action(compute, s, i)} ran"))
                 sent.setdefault((message, r, stage_rank[a.peer]), []).append(((s, a.peer, i), r, j))
             else:
-                done.add((kind, s, i))
+                if (compute, s, i) in done:
+                    errors.append((r, j, f"{a} receives the input of {Action(compute, s, i)} after it ran"))
+                recvs.add((compute, s, i))
                 received.setdefault((message, stage_rank[a.peer], r), []).append(((a.peer, s, i), r, j))
+        for j, a in enumerate(row):
+            if a.kind == F or a.kind == B:
+                needs_input = a.stage_index > 0 if a.kind == F else a.stage_index < last
+                if needs_input and (a.kind, a.stage_index, a.microbatch_index) not in recvs:
+                    errors.append((r, j, f"{a} runs without receiving its input"))
     for link in set(sent) | set(received):
         s_list, r_list = sent.get(link, []), received.get(link, [])
         for n in range(max(len(s_list), len(r_list))):
@@ -214,8 +227,8 @@ def _raise(tables: tuple, errors: list) -> None:
     raise ScheduleError("invalid schedule:\n" + "\n".join(lines) + "\n" + format_rows(tables, marks))
 
 
-def validate(tables: tuple) -> tuple:
-    """Check a table and return it lowered.
+def validate(tables: tuple, routes: Sequence[Tuple[int, int]] = ()) -> tuple:
+    """Check a table and return it lowered (with skip ``routes``, see :func:`lower`).
 
     Raises:
         ScheduleError: listing every problem found, and the table with ``<-- ERROR HERE`` marks.
@@ -232,7 +245,7 @@ def validate(tables: tuple) -> tuple:
         rank 0: 0B0 <-- ERROR HERE 0F0
     """
     _check_compute(tables)
-    lowered = tables if is_lowered(tables) else lower(tables)
+    lowered = tables if is_lowered(tables) else lower(tables, routes)
     _check_links(lowered)
     simulate(lowered)
     return lowered
