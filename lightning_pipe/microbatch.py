@@ -43,8 +43,14 @@ def batch_size_of(inputs: Any, batch_dim: int = 0) -> int:
         ConfigurationError: no tensor to split, or tensors disagree on the batch size.
     """
     leaves, _ = tree_flatten(inputs)
-    sizes = {tuple(leaf.shape): leaf.shape[batch_dim] for leaf in leaves
-             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    short = [tuple(t.shape) for t in tensors if not -t.dim() <= batch_dim < t.dim()]
+    if short:
+        raise ConfigurationError(
+            f"tensors of shapes {short} have no dimension batch_dim={batch_dim} to split into microbatches; "
+            "wrap tensors that every microbatch needs whole in NoChunk, or set batch_dim"
+        )
+    sizes = {tuple(t.shape): t.shape[batch_dim] for t in tensors}
     found = set(sizes.values())
     if not found:
         raise ConfigurationError(
@@ -67,7 +73,7 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
         >>> [p[0].tolist() for p in parts], parts[0][1]
         ([[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]], 'tag')
     """
-    if not isinstance(chunks, int) or chunks < 1:
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
     leaves, spec = tree_flatten(inputs, is_leaf=lambda x: isinstance(x, NoChunk))
     num_microbatches = min(chunks, batch_size_of(inputs, batch_dim))

@@ -64,31 +64,42 @@ def balance_by_parameters(module: nn.Sequential, num_stages: int) -> List[int]:
     weights = [_parameter_count(layer) for layer in module]
     _check_sizes(len(weights), num_stages)
     require_params = sum(1 for w in weights if w > 0) >= num_stages
-    n = len(weights)
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    inf = (float("inf"), float("inf"))
-    # best[k][i]: (largest stage weight, spread of layer counts) splitting the first i layers in k stages
+
+    def allowed(j: int, i: int) -> bool:
+        return not require_params or prefix[i] > prefix[j]
+
+    # first the smallest achievable largest stage, then the most even layer counts within it
+    largest, _ = _min_max_split(len(weights), num_stages, lambda j, i: prefix[i] - prefix[j], allowed)
+    even = len(weights) / num_stages
+    _, balance = _min_max_split(
+        len(weights), num_stages, lambda j, i: abs((i - j) - even),
+        lambda j, i: allowed(j, i) and prefix[i] - prefix[j] <= largest,
+    )
+    return balance
+
+
+def _min_max_split(n: int, num_stages: int, cost, allowed) -> Tuple[float, List[int]]:
+    """Split ``n`` layers into contiguous stages minimising the largest ``cost(start, stop)``."""
+    inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = (0, 0)
+    best[0][0] = 0
     for k in range(1, num_stages + 1):
         for i in range(k, n - (num_stages - k) + 1):
             for j in range(k - 1, i):
-                if best[k - 1][j] == inf:
+                if best[k - 1][j] == inf or not allowed(j, i):
                     continue
-                weight = prefix[i] - prefix[j]
-                if require_params and weight == 0:
-                    continue
-                cost = (max(best[k - 1][j][0], weight), max(best[k - 1][j][1], abs((i - j) - n / num_stages)))
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
+                value = max(best[k - 1][j], cost(j, i))
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
     balance, i = [], n
     for k in range(num_stages, 0, -1):
         balance.append(i - cut[k][i])
         i = cut[k][i]
-    return balance[::-1]
+    return best[num_stages][n], balance[::-1]
 
 
 def _check_sizes(num_layers: int, num_stages: int) -> None:

@@ -56,6 +56,8 @@ def format_rows(tables: tuple, marks: dict | None = None) -> str:
         tokens = []
         for j, a in enumerate(row):
             tokens.append(str(a) + (" <-- ERROR HERE" if marks.get(r) == j else ""))
+        if marks.get(r) == len(row):
+            tokens.append("<-- ERROR HERE")
         lines.append(f"rank {r}: " + " ".join(tokens))
     return "\n".join(lines)
 
@@ -160,10 +162,11 @@ def _check_compute(tables: tuple) -> None:
     if stages != list(range(len(stages))) or microbatches != list(range(len(microbatches))):
         errors.append((None, None, f"stages {stages} and microbatches {microbatches} must count from 0 without gaps"))
     for s in stages:
+        rank = stage_rank[s]
         for i in microbatches:
             for kind in (F, B) if has_backward else (F,):
-                if (kind, s, i) not in seen:
-                    errors.append((None, None, f"{Action(kind, s, i)} is missing"))
+                if (kind, s, i) not in seen:  # marked at the end of the row of the rank that runs stage s
+                    errors.append((rank, len(tables[rank]), f"{Action(kind, s, i)} is missing"))
     if errors:
         _raise(tables, errors)
 
@@ -220,7 +223,10 @@ def _check_links(tables: tuple) -> None:
 
 
 def _raise(tables: tuple, errors: list) -> None:
-    lines = [f"- rank {r}, action {j}: {msg}" if r is not None else f"- {msg}" for r, j, msg in errors[:20]]
+    lines = [
+        f"- rank {r}, action {j}: {msg}" if r is not None and j < len(tables[r]) else f"- {msg}"
+        for r, j, msg in errors[:20]
+    ]
     if len(errors) > 20:
         lines.append(f"- ... and {len(errors) - 20} more")
     marks = {r: j for r, j, _ in reversed(errors) if r is not None}

@@ -1,0 +1,145 @@
+"""Splitting batches into microbatches and merging outputs back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pipe import NoChunk
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.microbatch import batch_size_of, gather, microbatch_sizes, scatter
+
+
+def test_scatter_nested_pytree_keeps_structure_and_slices_every_tensor():
+    x = torch.arange(8.0).view(4, 2)
+    index = torch.arange(4)
+    inputs = {"x": x, "rest": [index, ("tag", 7, index * 10)]}
+    parts = scatter(inputs, chunks=2)
+    assert len(parts) == 2
+    for i, part in enumerate(parts):
+        assert set(part) == {"x", "rest"}
+        assert isinstance(part["rest"], list) and isinstance(part["rest"][1], tuple)
+        torch.testing.assert_close(part["x"], x[2 * i : 2 * i + 2])
+        torch.testing.assert_close(part["rest"][0], index[2 * i : 2 * i + 2])
+        assert part["rest"][1][:2] == ("tag", 7)
+        torch.testing.assert_close(part["rest"][1][2], index[2 * i : 2 * i + 2] * 10)
+
+
+def test_scatter_tuple_inputs_give_tuples():
+    parts = scatter((torch.zeros(6, 3), torch.ones(6)), chunks=3)
+    assert [type(p) for p in parts] == [tuple] * 3
+    assert [(p[0].shape, p[1].shape) for p in parts] == [(torch.Size([2, 3]), torch.Size([2]))] * 3
+
+
+def test_scatter_uneven_batch_gives_larger_microbatches_first():
+    parts = scatter(torch.arange(10), chunks=4)
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert microbatch_sizes(10, 4) == [3, 3, 2, 2]
+
+
+def test_scatter_batch_smaller_than_chunks_gives_one_microbatch_per_sample():
+    parts = scatter((torch.arange(3), "tag"), chunks=8)
+    assert [p[0].tolist() for p in parts] == [[0], [1], [2]]
+    assert [p[1] for p in parts] == ["tag"] * 3
+    assert microbatch_sizes(3, 8) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("batch", range(1, 13))
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 5, 8])
+def test_microbatch_sizes_match_scatter(batch, chunks):
+    sizes = [len(p) for p in scatter(torch.zeros(batch), chunks)]
+    assert microbatch_sizes(batch, chunks) == sizes
+    assert sum(sizes) == batch and max(sizes) - min(sizes) <= 1
+
+
+def test_no_chunk_tensor_goes_whole_to_every_microbatch():
+    mask = torch.arange(3.0)
+    parts = scatter((torch.zeros(4, 2), NoChunk(mask)), chunks=2)
+    assert all(p[1] is mask for p in parts)
+    assert [p[0].shape for p in parts] == [torch.Size([2, 2])] * 2
+
+
+def test_no_chunk_allows_a_tensor_with_another_batch_size():
+    parts = scatter({"x": torch.zeros(4, 2), "table": NoChunk(torch.zeros(7, 2))}, chunks=4)
+    assert [p["table"].shape for p in parts] == [torch.Size([7, 2])] * 4
+
+
+def test_no_chunk_rejects_non_tensors():
+    with pytest.raises(TypeError, match="NoChunk wraps a tensor, got list"):
+        NoChunk([1, 2])
+
+
+def test_non_tensor_leaves_and_scalars_are_duplicated():
+    scalar = torch.tensor(5.0)
+    parts = scatter((torch.zeros(4), None, 3.5, "s", scalar), chunks=2)
+    for part in parts:
+        assert part[1:4] == (None, 3.5, "s")
+        assert part[4] is scalar
+
+
+def test_scatter_along_batch_dim_1():
+    x = torch.arange(12.0).view(2, 6)
+    parts = scatter((x, torch.zeros(3, 6)), chunks=4, batch_dim=1)
+    assert [p[0].shape for p in parts] == [torch.Size([2, 2])] * 2 + [torch.Size([2, 1])] * 2
+    assert [p[1].shape[1] for p in parts] == [2, 2, 1, 1]
+    torch.testing.assert_close(parts[0][0], x[:, :2])
+    torch.testing.assert_close(gather([p[0] for p in parts], batch_dim=1), x)
+
+
+def test_batch_dim_beyond_a_tensors_dimensions_is_a_configuration_error():
+    with pytest.raises(ConfigurationError, match="batch_dim"):
+        scatter((torch.zeros(3, 4), torch.zeros(4)), chunks=2, batch_dim=1)
+
+
+def test_mismatched_batch_sizes_name_the_shapes_and_the_fix():
+    with pytest.raises(
+        ConfigurationError,
+        match=r"the inputs disagree on the batch size along batch_dim=0: shapes \[\(4, 2\), \(5,\)\]; "
+              r"wrap tensors that are not batched in NoChunk, or set batch_dim",
+    ):
+        scatter((torch.zeros(4, 2), torch.zeros(5)), chunks=2)
+
+
+def test_mismatched_batch_sizes_along_batch_dim_1():
+    with pytest.raises(ConfigurationError, match=r"disagree on the batch size along batch_dim=1"):
+        scatter((torch.zeros(2, 4), torch.zeros(2, 5)), chunks=2, batch_dim=1)
+
+
+@pytest.mark.parametrize("inputs", [("a", 3), (NoChunk(torch.zeros(4)),), (torch.tensor(1.0),), {}])
+def test_inputs_without_a_batched_tensor_are_rejected(inputs):
+    with pytest.raises(ConfigurationError, match="the inputs hold no tensor with a batch dimension to split into microbatches"):
+        scatter(inputs, chunks=2)
+    with pytest.raises(ConfigurationError, match="hold no tensor with a batch dimension"):
+        batch_size_of(inputs)
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 2.0, None])
+def test_chunks_must_be_a_positive_integer(chunks):
+    with pytest.raises(ConfigurationError, match=r"chunks \(the number of microbatches\) must be a positive integer, got "):
+        scatter(torch.zeros(4), chunks)
+
+
+def test_chunks_true_is_rejected_like_in_pipeline():
+    with pytest.raises(ConfigurationError, match=r"must be a positive integer, got True"):
+        scatter(torch.zeros(4), True)
+
+
+def test_configuration_errors_are_value_errors():
+    with pytest.raises(ValueError):
+        scatter(torch.zeros(4), 0)
+
+
+def test_gather_round_trips_nested_outputs():
+    x = torch.randn(10, 3)
+    inputs = {"x": x, "pair": (x.sum(1), "name")}
+    parts = scatter(inputs, chunks=4)
+    merged = gather(parts)
+    torch.testing.assert_close(merged["x"], x)
+    torch.testing.assert_close(merged["pair"][0], x.sum(1))
+    assert merged["pair"][1] == "name"
+
+
+def test_gather_stacks_zero_dim_tensors_and_keeps_first_non_tensor():
+    merged = gather([(torch.tensor(1.0), "a"), (torch.tensor(2.0), "b")])
+    torch.testing.assert_close(merged[0], torch.tensor([1.0, 2.0]))
+    assert merged[1] == "a"
