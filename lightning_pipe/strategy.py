@@ -30,7 +30,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_pipe.checkpoint import check_checkpoint
+from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from lightning_pipe.checkpoint import check_checkpoint, should_checkpoint
 from lightning_pipe.errors import ConfigurationError, PartitionError
 from lightning_pipe.lightning import logs, state
 from lightning_pipe.lightning.body import BodyReached, PipelinedBody, find_body, set_submodule
@@ -67,14 +68,20 @@ class _FirstStage(nn.Module):
         strategy = self.strategy
         body = strategy._body
         last = body.num_stages == 1
+        index = strategy._first_stage_calls
+        strategy._first_stage_calls += 1
         strategy._recorder.start_microbatch()
         body.mode = "local" if last else "stop"
+        body.checkpoint_layers = torch.is_grad_enabled() and should_checkpoint(
+            strategy.checkpoint, index, len(strategy._pipeline.last_sizes)
+        )
         try:
             output = getattr(self.module, strategy._hook)(batch, *strategy._hook_args)
         except BodyReached as reached:
             return reached.outputs
         finally:
             body.mode = "local"
+            body.checkpoint_layers = False
         if not last:
             raise ConfigurationError(
                 f"{strategy._hook} returned without calling the body `self.{strategy._body_path}`; "
@@ -92,7 +99,8 @@ class PipeStrategy(DDPStrategy):
         num_microbatches: microbatches per batch. Default: ``2 * pipe_size``.
         schedule: ``"1f1b"`` (less activation memory) or ``"gpipe"``.
         checkpoint: activation checkpointing, ``"always"``, ``"except_last"`` or ``"never"``.
-        deferred_batch_norm: reserved; deferred BatchNorm statistics are not implemented yet.
+        deferred_batch_norm: turn the module's BatchNorms into :class:`DeferredBatchNorm`, whose
+            running statistics are updated once per batch instead of once per microbatch.
         balance: layers per stage; default balanced by parameter count.
         body: attribute path of the ``nn.Sequential`` to pipeline; default: the only one.
         gather_full_model: after ``fit``, put the whole trained model back into the
@@ -131,8 +139,6 @@ class PipeStrategy(DDPStrategy):
                 raise ConfigurationError(f"PipeStrategy({name}={value!r}): give a positive integer or None")
         if schedule not in SCHEDULES:
             raise ConfigurationError(f"PipeStrategy(schedule={schedule!r}): choose one of {sorted(SCHEDULES)}")
-        if deferred_batch_norm:
-            raise ConfigurationError("PipeStrategy(deferred_batch_norm=True) is not implemented yet")
         if start_method != "popen":
             raise ConfigurationError(
                 f"PipeStrategy(start_method={start_method!r}): only 'popen' is supported; the spawn and fork "
@@ -152,6 +158,7 @@ class PipeStrategy(DDPStrategy):
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.checkpoint = check_checkpoint(checkpoint)
+        self.deferred_batch_norm = deferred_batch_norm
         self.balance = list(balance) if balance is not None else None
         self.body = body
         self.gather_full_model = gather_full_model
@@ -161,6 +168,7 @@ class PipeStrategy(DDPStrategy):
         self._body_path = ""
         self._hook = "training_step"
         self._hook_args: tuple = ()
+        self._first_stage_calls = 0
         self._pending_grads: Dict[nn.Parameter, torch.Tensor] = {}
         self._owner: Dict[str, int] = {}
         self._tied: List[str] = []
@@ -226,6 +234,8 @@ class PipeStrategy(DDPStrategy):
                 "use precision='bf16-mixed' or '32-true'"
             )
         if self._body is None:
+            if self.deferred_batch_norm:
+                DeferredBatchNorm.convert_deferred_batch_norm(module)
             self._partition(module)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -234,7 +244,8 @@ class PipeStrategy(DDPStrategy):
             chunks=self.num_microbatches or 2 * self.pp_size,
             process_group=self.pp_group,
             schedule=self.schedule,
-            checkpoint=self.checkpoint,
+            # the first stage checkpoints the body's layers itself (see _FirstStage), not the user's step
+            checkpoint=self.checkpoint if self.stage_index > 0 else "never",
             timeout=self._timeout or default_pg_timeout,
             device=self.root_device,
         )
@@ -308,6 +319,7 @@ class PipeStrategy(DDPStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, self._hook_args, self._hook = args[0], args[1:], "training_step"
+        self._first_stage_calls = 0
         first, last = self.stage_index == 0, self.stage_index == self.pp_size - 1
         trainer = self.lightning_module.trainer
         with self.precision_plugin.train_step_context():
@@ -315,10 +327,13 @@ class PipeStrategy(DDPStrategy):
             with self._recorder.recording():
                 loss, _ = self._pipeline.forward_backward(
                     *((batch,) if first else ()),
-                    criterion=self._last_stage_loss if last else None,
+                    # one stage: the step already returned the loss, which the pipeline takes as is
+                    criterion=self._last_stage_loss if last and not first else None,
                     labels=(batch,) if last else (),
                     loss_scale=1.0 / trainer.accumulate_grad_batches,
                 )
+            if self.deferred_batch_norm:
+                commit_deferred_batch_norm(self.lightning_module)
             if not self._probed:
                 self._probe_usage()
             self._pending_grads = self._take_grads()
@@ -441,6 +456,7 @@ class PipeStrategy(DDPStrategy):
             with context:
                 return getattr(self.lightning_module, hook)(*args)
         batch, self._hook_args, self._hook = args[0], args[1:], hook
+        self._first_stage_calls = 0
         first, last = self.stage_index == 0, self.stage_index == self.pp_size - 1
         with context, self._recorder.recording():
             per_microbatch = self._pipeline.forward_microbatches(*((batch,) if first else ()))

@@ -71,6 +71,21 @@ class Regressor(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class SkipBatchNormRegressor(Regressor):
+    """The same task with a U-Net-like body: skips across stages and BatchNorm in residual blocks."""
+
+    def __init__(self, width: int = 8, depth: int = 6, lr: float = 0.1) -> None:
+        super().__init__(width, depth, lr)
+        from tests.models import Down, ResidualBN, Up
+        from lightning_pipe.skip import Namespace
+
+        outer, inner = Namespace(), Namespace()
+        self.body = nn.Sequential(
+            Down(width).isolate(outer), ResidualBN(width), Down(width).isolate(inner), ResidualBN(width),
+            Up(width).isolate(inner), ResidualBN(width), Up(width).isolate(outer),
+        )
+
+
 def loaders(num_replicas_hint: int = 1):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(96, 4, generator=g)
@@ -93,6 +108,8 @@ def parse(argv=None):
     parser.add_argument("--clip-algorithm", default="norm")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--model", default="regressor", choices=["regressor", "skipbn"])
+    parser.add_argument("--deferred-batch-norm", action="store_true")
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
@@ -102,7 +119,7 @@ def make_strategy(args):
     if args.strategy == "pipe":
         return lightning_pipe.PipeStrategy(
             pipe_size=args.pipe_size, num_microbatches=args.microbatches, schedule=args.schedule,
-            checkpoint=args.checkpoint,
+            checkpoint=args.checkpoint, deferred_batch_norm=args.deferred_batch_norm,
         )
     return args.strategy
 
@@ -110,7 +127,7 @@ def make_strategy(args):
 def main(argv=None):
     args = parse(argv)
     pl.seed_everything(0)
-    model = Regressor(depth=args.depth)
+    model = Regressor(depth=args.depth) if args.model == "regressor" else SkipBatchNormRegressor()
     checkpoint = ModelCheckpoint(
         dirpath=os.path.join(args.root, "ckpt"), monitor="val_loss", save_last=True, save_top_k=-1
     )

@@ -122,3 +122,15 @@ def test_pipe_size_must_divide_devices(tmp_path_factory):
         tmp_path_factory, "bad_size", "--strategy", "pipe", "--devices", 2, "--pipe-size", 3, expect_failure=True
     )
     assert "must divide the number of processes" in output, output[-3000:]
+
+
+def test_skips_and_deferred_batch_norm_under_the_strategy(tmp_path_factory):
+    """A U-Net-like body with BatchNorm, 3 stages, except_last checkpointing: equal to the same
+    microbatches run in sequence in one process (pipe_size=1), running statistics included."""
+    common = ["--strategy", "pipe", "--model", "skipbn", "--deferred-batch-norm", "--checkpoint", "except_last",
+              "--microbatches", 3]
+    single = run_app(tmp_path_factory, "skipbn_1", *common, "--devices", 1)
+    piped = run_app(tmp_path_factory, "skipbn_3", *common, "--devices", 3, "--schedule", "1f1b")
+    assert_same_run(piped, single)
+    tracked = single["state_dict"]["body.1.bn.num_batches_tracked"]
+    assert tracked == single["global_step"] * 2  # once per batch (2 batches per optimizer step), not per microbatch

@@ -14,8 +14,10 @@ from typing import List, Optional, Tuple
 
 from torch import nn
 
+from lightning_pipe.checkpoint import checkpointed
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.partition import SequentialModel
+from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
 
 def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Sequential]:
@@ -81,7 +83,9 @@ class PipelinedBody(nn.Sequential):
 
     Modes: ``"local"`` runs the local layers; ``"stop"`` runs them and raises
     :class:`BodyReached` with the result (first stage); ``"replace"`` ignores its input and
-    returns ``replacement`` (last stage: the output the pipeline computed).
+    returns ``replacement`` (last stage: the output the pipeline computed). With
+    ``checkpoint_layers`` set, the local layers run under activation checkpointing: on the first
+    stage only the layers are recomputed, never the user's code around the body call.
     """
 
     def __init__(self, layers: "OrderedDict[str, nn.Module]", multi_value: bool, stage_index: int, num_stages: int) -> None:
@@ -91,6 +95,7 @@ class PipelinedBody(nn.Sequential):
         self.num_stages = num_stages
         self.mode = "local"
         self.replacement: Optional[tuple] = None
+        self.checkpoint_layers = False
 
     def run_layers(self, *inputs):
         if self.multi_value:
@@ -106,7 +111,16 @@ class PipelinedBody(nn.Sequential):
         if self.mode == "replace":
             outputs = self.replacement
             return outputs[0] if len(outputs) == 1 else outputs
-        outputs = self.run_layers(*inputs)
+        if self.checkpoint_layers:
+            tracker = current_tracker()  # the recomputation runs later, in backward: bind it again then
+
+            def run(*args):
+                with use_tracker(tracker):
+                    return self.run_layers(*args)
+
+            outputs = checkpointed(run, *inputs)
+        else:
+            outputs = self.run_layers(*inputs)
         if self.mode == "stop":
             raise BodyReached(outputs if isinstance(outputs, tuple) else (outputs,))
         return outputs
