@@ -273,9 +273,7 @@ class PipeStrategy(DDPStrategy):
         balance = self.balance
         balance = check_balance(balance, len(names), self.pp_size) if balance is not None else balance_by_parameters(body, self.pp_size)
         self._balance = balance
-        from lightning.pytorch.overrides.distributed import _sync_module_states
-
-        _sync_module_states(module)  # every stage and replica starts from rank 0's weights, as DDP does
+        self._broadcast_module(module)  # every stage and replica starts from rank 0's weights, as DDP does
         self._param_order = [n for n, _ in module.named_parameters()]
         self._key_order = list(module.state_dict())
         start, stop = split_points(balance)[self.stage_index]
@@ -284,6 +282,22 @@ class PipeStrategy(DDPStrategy):
         self._full_body = [body]
         self._body_path = path
         set_submodule(module, path, self._body)
+
+    def _broadcast_module(self, module: nn.Module) -> None:
+        """Rank 0's parameters and buffers to every rank, through the device the backend needs.
+
+        The module is still on the CPU here (its body is not split yet), which NCCL cannot
+        broadcast, so tensors are flattened per dtype on ``root_device`` (one broadcast each).
+        """
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        with torch.no_grad():
+            for tensors in by_dtype.values():
+                flat = torch._utils._flatten_dense_tensors([t.detach().to(self.root_device) for t in tensors])
+                dist.broadcast(flat, src=0)
+                for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                    t.copy_(synced)
 
     def _restore_body(self) -> None:
         if self._body is None:

@@ -106,7 +106,8 @@ def _detach(value: Any) -> Any:
 def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any) -> Any:
     if values[0] is None:
         return None
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
+    # fold on the CPU in float64: the values may live on a GPU, the weights are plain numbers
+    stacked = torch.stack([torch.as_tensor(v).detach().to("cpu", torch.float64) for v in values])
     name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
     if name in _MEAN:
         weights = torch.tensor(sizes, dtype=torch.float64).reshape(-1, *([1] * (stacked.dim() - 1)))
@@ -120,7 +121,7 @@ def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any) -> Any:
     else:
         folded = reduce_fx(stacked)
     first = values[0]
-    return folded.to(first.dtype) if isinstance(first, torch.Tensor) else folded.item()
+    return folded.to(first.device, first.dtype) if isinstance(first, torch.Tensor) else folded.item()
 
 
 def _fold_one(entries: List[Tuple[int, Dict[str, Any]]]) -> Dict[str, Any]:

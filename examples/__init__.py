@@ -1,0 +1,1 @@
+"""Runnable examples of lightning_pipe; see examples/README.md."""
