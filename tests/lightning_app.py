@@ -17,7 +17,7 @@ from torch import nn
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torchmetrics import MeanAbsoluteError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,6 +56,10 @@ class Regressor(pl.LightningModule):
         self.log("val_loss", nn.functional.mse_loss(out, y), sync_dist=True)
         self.val_mae(out, y)
         self.log("val_mae", self.val_mae)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
         return self(batch[0])
@@ -110,6 +114,7 @@ def parse(argv=None):
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--model", default="regressor", choices=["regressor", "skipbn"])
     parser.add_argument("--deferred-batch-norm", action="store_true")
+    parser.add_argument("--precision", default="32-true")
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
@@ -124,6 +129,15 @@ def make_strategy(args):
     return args.strategy
 
 
+def _tensorboard_scalars(folder: str) -> dict:
+    """Every scalar the TensorBoard logger wrote: {tag: [(step, value), ...]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(folder)
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def main(argv=None):
     args = parse(argv)
     pl.seed_everything(0)
@@ -134,7 +148,8 @@ def main(argv=None):
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=make_strategy(args), max_epochs=args.max_epochs,
         accumulate_grad_batches=2, gradient_clip_val=0.5, gradient_clip_algorithm=args.clip_algorithm,
-        logger=CSVLogger(args.root, name="logs", version=0), log_every_n_steps=1,
+        logger=[CSVLogger(args.root, name="logs", version=0), TensorBoardLogger(args.root, name="tb", version=0)],
+        log_every_n_steps=1, precision=args.precision,
         callbacks=[checkpoint, EarlyStopping(monitor="val_loss", patience=5)],
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.root,
     )
@@ -142,6 +157,7 @@ def main(argv=None):
     trainer.fit(model, train, val, ckpt_path=args.resume)
     fit_metrics = {k: v.cpu() for k, v in trainer.callback_metrics.items()}
     validated = trainer.validate(model, val, verbose=False)
+    tested = trainer.test(model, val, verbose=False)
     predictions = trainer.predict(model, val)
     if trainer.is_global_zero:
         with open(os.path.join(args.root, "logs", "version_0", "metrics.csv")) as f:
@@ -153,6 +169,8 @@ def main(argv=None):
             "best_model_path": checkpoint.best_model_path,
             "last_model_path": checkpoint.last_model_path,
             "validated": validated,
+            "tested": tested,
+            "tensorboard": _tensorboard_scalars(os.path.join(args.root, "tb", "version_0")),
             "predictions": torch.cat(predictions),
             "global_step": trainer.global_step,
         }, args.out)

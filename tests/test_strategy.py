@@ -53,10 +53,14 @@ def assert_same_run(result, expected):
                 assert got[key] == want[key], (key, got, want)
             else:
                 torch.testing.assert_close(float(got[key]), float(want[key]), rtol=1e-5, atol=1e-6)
-    for got, want in zip(result["validated"], expected["validated"]):
+    for got, want in zip(result["validated"] + result["tested"], expected["validated"] + expected["tested"]):
         assert got.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+    assert result["tensorboard"].keys() == expected["tensorboard"].keys()
+    for tag, points in expected["tensorboard"].items():
+        assert [step for step, _ in result["tensorboard"][tag]] == [step for step, _ in points], tag
+        torch.testing.assert_close([v for _, v in result["tensorboard"][tag]], [v for _, v in points], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(result["predictions"], expected["predictions"])
     assert os.path.basename(result["best_model_path"]) == os.path.basename(expected["best_model_path"])
     assert result["global_step"] == expected["global_step"]
@@ -72,6 +76,18 @@ def test_pipelined_fit_equals_ddp(tmp_path_factory, reference, schedule, devices
         "--schedule", schedule, "--checkpoint", checkpoint,
     )
     assert_same_run(result, reference)
+
+
+def test_bf16_mixed_precision_matches_ddp(tmp_path_factory):
+    """bf16 autocast runs on every stage: same training as DDP under bf16, up to bf16 rounding."""
+    reference = run_app(tmp_path_factory, "ddp_bf16", "--strategy", "ddp", "--devices", 1, "--precision", "bf16-mixed",
+                        "--max-epochs", 1)
+    result = run_app(tmp_path_factory, "pipe_bf16", "--strategy", "pipe", "--devices", 2, "--precision", "bf16-mixed",
+                     "--max-epochs", 1)
+    for key, value in reference["state_dict"].items():
+        torch.testing.assert_close(result["state_dict"][key], value, rtol=0.02, atol=0.01, msg=lambda m: f"{key}: {m}")
+    for key, value in reference["callback_metrics"].items():
+        torch.testing.assert_close(result["callback_metrics"][key], value, rtol=0.02, atol=0.01)
 
 
 def test_checkpoint_loads_in_a_plain_process(tmp_path_factory, reference):
