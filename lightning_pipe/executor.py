@@ -23,11 +23,16 @@ from lightning_pipe.transport import ACTIVATIONS, GRADIENTS, SKIP_GRADIENTS, SKI
 
 
 class StepResult:
-    """What one rank produced in one step: the last stage's outputs per microbatch, and timings."""
+    """What one rank produced in one step: the last stage's outputs per microbatch, and timings.
+
+    ``compute_seconds`` is the time spent in forward and backward, ``wait_seconds`` the time spent
+    waiting for messages, ``wall_seconds`` the whole step on this rank.
+    """
 
     def __init__(self) -> None:
         self.outputs: Dict[int, tuple] = {}
         self.compute_seconds = 0.0
+        self.wait_seconds = 0.0
         self.wall_seconds = 0.0
 
 
@@ -110,9 +115,9 @@ class Executor:
     # -- compute ---------------------------------------------------------------------------------
     def _run_compute(self, action: Action) -> None:
         self._current = action
-        begin = time.perf_counter()
+        begin, waited = time.perf_counter(), self._result.wait_seconds
         self._handlers[action.kind](action.microbatch_index)
-        self._result.compute_seconds += time.perf_counter() - begin
+        self._result.compute_seconds += time.perf_counter() - begin - (self._result.wait_seconds - waited)
 
     def _skip_keys(self, source: int, target: int) -> list:
         return self.layout.crossing[(source, target)] if self.layout is not None else []
@@ -192,4 +197,7 @@ class Executor:
 
     def _take(self, kind: str, peer: int, i: int) -> tuple:
         recv = self._posted.pop((kind, peer, i))
-        return self.transport.take(recv, f"{_WHAT[kind]} of microbatch {i} from stage {peer}")
+        begin = time.perf_counter()
+        tensors = self.transport.take(recv, f"{_WHAT[kind]} of microbatch {i} from stage {peer}")
+        self._result.wait_seconds += time.perf_counter() - begin
+        return tensors

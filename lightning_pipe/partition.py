@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple, Union
 
-import torch
+import torch  # noqa: F401  (the doctests use it)
 from torch import nn
 
 from lightning_pipe.errors import PartitionError

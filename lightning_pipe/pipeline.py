@@ -174,6 +174,24 @@ class Pipeline:
             )
         return parts
 
+    def _loss_fn(self, criterion, labels, sizes, loss_scale, losses) -> Callable[[int, tuple], torch.Tensor]:
+        """The last stage's per-microbatch loss: weighted by size, scaled for backward, recorded."""
+        label_parts = self._split_labels(tuple(labels), sizes)
+        total = float(sum(sizes))
+
+        def loss_fn(i: int, outputs: tuple) -> torch.Tensor:
+            loss = criterion(*outputs, *label_parts[i]) if criterion is not None else outputs[0]
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ConfigurationError(
+                    f"the loss of a microbatch must be a one-element tensor, got {type(loss).__name__} "
+                    f"{tuple(getattr(loss, 'shape', ()))}; reduce it in the criterion"
+                )
+            weighted = loss.reshape(()) * (sizes[i] / total)
+            losses[i] = weighted.detach()
+            return weighted * loss_scale if loss_scale != 1.0 else weighted
+
+        return loss_fn
+
     def forward_backward(
         self,
         *inputs: Any,
@@ -197,23 +215,8 @@ class Pipeline:
         """
         microbatches, sizes = self._start_step(inputs)
         num_microbatches = len(sizes)
-        loss_fn = None
-        if self.stage.is_last:
-            label_parts = self._split_labels(tuple(labels), sizes)
-            total = float(sum(sizes))
-            losses: Dict[int, torch.Tensor] = {}
-
-            def loss_fn(i: int, outputs: tuple) -> torch.Tensor:
-                loss = criterion(*outputs, *label_parts[i]) if criterion is not None else outputs[0]
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise ConfigurationError(
-                        f"the loss of a microbatch must be a one-element tensor, got {type(loss).__name__} "
-                        f"{tuple(getattr(loss, 'shape', ()))}; reduce it in the criterion"
-                    )
-                losses[i] = loss.detach().reshape(()) * (sizes[i] / total)
-                weighted = loss.reshape(()) * (sizes[i] / total)
-                return weighted * loss_scale if loss_scale != 1.0 else weighted
-
+        losses: Dict[int, torch.Tensor] = {}
+        loss_fn = self._loss_fn(criterion, labels, sizes, loss_scale, losses) if self.stage.is_last else None
         result = self.executor.run(
             self._row(self.schedule, num_microbatches), self._step, num_microbatches,
             microbatches, loss_fn, keep_outputs=return_outputs,

@@ -14,11 +14,9 @@ still runs the precision plugin's hooks so ``on_before_backward``/``on_after_bac
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
-from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -31,11 +29,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
-from lightning_pipe.checkpoint import check_checkpoint, should_checkpoint
+from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError, PartitionError
-from lightning_pipe.lightning import logs, state
-from lightning_pipe.lightning.body import BodyReached, PipelinedBody, find_body, set_submodule
-from lightning_pipe.microbatch import gather
+from lightning_pipe.lightning import grads, logs, state
+from lightning_pipe.lightning.body import PipelinedBody, find_body, set_submodule
+from lightning_pipe.lightning.steps import FirstStage, loss_of, merge_outputs
 from lightning_pipe.partition import (
     SequentialModel,
     balance_by_parameters,
@@ -44,50 +42,6 @@ from lightning_pipe.partition import (
 )
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import SCHEDULES
-
-
-def _loss_of(output: Any, hook: str) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, torch.Tensor):
-        raise ConfigurationError(
-            f"under PipeStrategy, {hook} must return the loss (a tensor, or a dict with 'loss') for every "
-            f"microbatch, got {type(output).__name__}; skipping a batch by returning None is not supported"
-        )
-    return loss
-
-
-class _FirstStage(nn.Module):
-    """The first stage's module: the user's step up to (and through) the local part of the body."""
-
-    def __init__(self, strategy: "PipeStrategy", module: nn.Module) -> None:
-        super().__init__()
-        self.module = module  # registered so its parameters are not counted as activations
-        self.__dict__["strategy"] = strategy  # not a submodule
-
-    def forward(self, batch: Any):
-        strategy = self.strategy
-        body = strategy._body
-        last = body.num_stages == 1
-        index = strategy._first_stage_calls
-        strategy._first_stage_calls += 1
-        strategy._recorder.start_microbatch()
-        body.mode = "local" if last else "stop"
-        body.checkpoint_layers = torch.is_grad_enabled() and should_checkpoint(
-            strategy.checkpoint, index, len(strategy._pipeline.last_sizes)
-        )
-        try:
-            output = getattr(self.module, strategy._hook)(batch, *strategy._hook_args)
-        except BodyReached as reached:
-            return reached.outputs
-        finally:
-            body.mode = "local"
-            body.checkpoint_layers = False
-        if not last:
-            raise ConfigurationError(
-                f"{strategy._hook} returned without calling the body `self.{strategy._body_path}`; "
-                "under PipeStrategy every step must call it once"
-            )
-        return _loss_of(output, strategy._hook) if strategy._hook == "training_step" else (output,)
 
 
 class PipeStrategy(DDPStrategy):
@@ -240,11 +194,11 @@ class PipeStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._pipeline = Pipeline(
-            self._body if self.stage_index > 0 else _FirstStage(self, module),
+            self._body if self.stage_index > 0 else FirstStage(self, module),
             chunks=self.num_microbatches or 2 * self.pp_size,
             process_group=self.pp_group,
             schedule=self.schedule,
-            # the first stage checkpoints the body's layers itself (see _FirstStage), not the user's step
+            # the first stage checkpoints the body's layers itself (see FirstStage), not the user's step
             checkpoint=self.checkpoint if self.stage_index > 0 else "never",
             timeout=self._timeout or default_pg_timeout,
             device=self.root_device,
@@ -273,7 +227,7 @@ class PipeStrategy(DDPStrategy):
         balance = self.balance
         balance = check_balance(balance, len(names), self.pp_size) if balance is not None else balance_by_parameters(body, self.pp_size)
         self._balance = balance
-        self._broadcast_module(module)  # every stage and replica starts from rank 0's weights, as DDP does
+        grads.broadcast_module(module, self.root_device)  # every stage and replica starts from rank 0's weights
         self._param_order = [n for n, _ in module.named_parameters()]
         self._key_order = list(module.state_dict())
         start, stop = split_points(balance)[self.stage_index]
@@ -282,22 +236,6 @@ class PipeStrategy(DDPStrategy):
         self._full_body = [body]
         self._body_path = path
         set_submodule(module, path, self._body)
-
-    def _broadcast_module(self, module: nn.Module) -> None:
-        """Rank 0's parameters and buffers to every rank, through the device the backend needs.
-
-        The module is still on the CPU here (its body is not split yet), which NCCL cannot
-        broadcast, so tensors are flattened per dtype on ``root_device`` (one broadcast each).
-        """
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        with torch.no_grad():
-            for tensors in by_dtype.values():
-                flat = torch._utils._flatten_dense_tensors([t.detach().to(self.root_device) for t in tensors])
-                dist.broadcast(flat, src=0)
-                for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                    t.copy_(synced)
 
     def _restore_body(self) -> None:
         if self._body is None:
@@ -324,20 +262,13 @@ class PipeStrategy(DDPStrategy):
         )
 
     # -- training ------------------------------------------------------------------------------
-    def _take_grads(self) -> Dict[nn.Parameter, Optional[torch.Tensor]]:
-        grads = {}
-        for p in self.lightning_module.parameters():
-            grads[p] = p.grad
-            p.grad = None
-        return grads
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, self._hook_args, self._hook = args[0], args[1:], "training_step"
         self._first_stage_calls = 0
         first, last = self.stage_index == 0, self.stage_index == self.pp_size - 1
         trainer = self.lightning_module.trainer
         with self.precision_plugin.train_step_context():
-            earlier = self._take_grads()
+            earlier = grads.take_grads(self.lightning_module.parameters())
             with self._recorder.recording():
                 loss, _ = self._pipeline.forward_backward(
                     *((batch,) if first else ()),
@@ -350,14 +281,13 @@ class PipeStrategy(DDPStrategy):
                 commit_deferred_batch_norm(self.lightning_module)
             if not self._probed:
                 self._probe_usage()
-            self._pending_grads = self._take_grads()
-            for p, g in earlier.items():
-                p.grad = g
+            self._pending_grads = grads.take_grads(self.lightning_module.parameters())
+            grads.add_grads(earlier)
         return self._share_results(loss, self._recorder.fold(self._pipeline.last_sizes) if last else None)
 
     def _last_stage_loss(self, *outputs_and_batch: Any) -> torch.Tensor:
         *outputs, batch = outputs_and_batch
-        return _loss_of(self._run_replaced(tuple(outputs), batch), "training_step")
+        return loss_of(self._run_replaced(tuple(outputs), batch), "training_step")
 
     def _run_replaced(self, outputs: tuple, batch: Any) -> Any:
         """Run the user's hook on the last stage with the body's output taken from the pipeline."""
@@ -406,32 +336,14 @@ class PipeStrategy(DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        for p, g in self._pending_grads.items():
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        grads.add_grads(self._pending_grads)
         self._pending_grads = {}
-        self._sync_tied_grads()
+        if self._tied:
+            params = dict(module.named_parameters())
+            grads.sum_tied([params[n] for n in self._tied], self.pp_group)
         if self.dp_size > 1 and not module.trainer.fit_loop.epoch_loop._should_accumulate():
-            self._average_over_replicas()
+            grads.average(module.parameters(), self.dp_group, self.dp_size)
         return self.precision_plugin.post_backward(closure_loss, module)
-
-    def _sync_tied_grads(self) -> None:
-        params = dict(self.lightning_module.named_parameters())
-        for name in self._tied:
-            p = params[name]
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(grad, group=self.pp_group)
-            p.grad = grad
-
-    def _average_over_replicas(self) -> None:
-        grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp_size
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
 
     def _owned(self) -> set:
         """State-dict keys whose authoritative value lives on this rank."""
@@ -443,26 +355,20 @@ class PipeStrategy(DDPStrategy):
         }
 
     def _use_global_clipping(self) -> None:
-        """Clip by the norm over all stages, not per stage (the precision plugin's is local)."""
-        plugin = self.precision_plugin
-        names = state.parameter_names(self.lightning_module)
-        strategy = self
+        """Clip by the norm over all stages: the precision plugin's own clipping is local."""
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
-            owned = strategy._owned()
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            mine = [p.grad for g in optimizer.param_groups for p in g["params"]
-                    if p.grad is not None and names[id(p)] in owned]
-            device = strategy.root_device
-            square = torch.zeros((), dtype=torch.float32, device=device)
-            for g in mine:
-                square += torch.linalg.vector_norm(g.float(), 2.0).to(device) ** 2
-            dist.all_reduce(square, group=strategy.pp_group)
-            coefficient = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coefficient.to(g.device, g.dtype))
+            grads.clip_by_global_norm(optimizer, clip_val, self._owned_parameters(), self.pp_group, self.root_device)
 
-        plugin.clip_grad_by_norm = clip_grad_by_norm
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def _owned_parameters(self) -> set:
+        """Ids of the parameters whose gradient this rank counts in the global norm."""
+        prefix = self._body_path + "."
+        return {
+            id(p) for n, p in self.lightning_module.named_parameters()
+            if n.startswith(prefix) or self._owner.get(n, 0) == self.stage_index
+        }
 
     # -- evaluation ----------------------------------------------------------------------------
     def _eval_step(self, hook: str, context: Any, args: tuple) -> Any:
@@ -480,7 +386,7 @@ class PipeStrategy(DDPStrategy):
 
                 parts = scatter((batch,), len(per_microbatch), self._pipeline.batch_dim)
                 results = [self._run_replaced(out, part[0]) for out, part in zip(per_microbatch, parts)]
-                outputs = _merge_outputs(results)
+                outputs = merge_outputs(results)
         calls = self._recorder.fold(self._pipeline.last_sizes) if last else None
         outputs = self._share_results(None, calls, outputs if hook == "predict_step" else None)
         return outputs
@@ -575,15 +481,6 @@ class PipeStrategy(DDPStrategy):
             strategy_registry.register(
                 name, cls, description=f"Pipeline parallelism with the {schedule} schedule", schedule=schedule
             )
-
-
-def _merge_outputs(results: Sequence[Any]) -> Any:
-    if all(r is None for r in results):
-        return None
-    try:
-        return gather(list(results))
-    except Exception:  # outputs that do not concatenate (strings, ragged lists) stay per microbatch
-        return list(results)
 
 
 PipeStrategy.register_strategies(StrategyRegistry)

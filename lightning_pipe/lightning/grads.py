@@ -1,0 +1,91 @@
+"""Gradient bookkeeping around the pipeline: set aside, sum tied copies, average replicas, clip.
+
+Written by hand because Lightning's hooks assume one process holds the whole model: its
+precision plugin clips by the local norm, and DDP would all-reduce over the world. Here the norm
+is reduced over the pipeline's stages, tied parameters are summed over the stages that use them,
+and each stage's gradients are averaged over its replicas only.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_flatten = torch._utils._flatten_dense_tensors  # torch's own bucketing helpers (as DDP uses)
+_unflatten = torch._utils._unflatten_dense_tensors
+
+
+def take_grads(parameters: Iterable[nn.Parameter]) -> Dict[nn.Parameter, Optional[torch.Tensor]]:
+    """Detach every ``.grad`` from its parameter and return them."""
+    grads = {}
+    for p in parameters:
+        grads[p] = p.grad
+        p.grad = None
+    return grads
+
+
+def add_grads(grads: Mapping[nn.Parameter, Optional[torch.Tensor]]) -> None:
+    """Accumulate ``grads`` into the parameters' ``.grad``, as a backward would."""
+    for p, g in grads.items():
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+
+
+def sum_tied(parameters: Sequence[nn.Parameter], group) -> None:
+    """Sum the gradients of parameters that several stages use; every copy gets the sum."""
+    for p in parameters:
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(grad, group=group)
+        p.grad = grad
+
+
+def average(parameters: Iterable[nn.Parameter], group, size: int) -> None:
+    """Average the gradients over a data-parallel group, in one bucket."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten(grads)
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    for g, synced in zip(grads, _unflatten(flat, grads)):
+        g.copy_(synced)
+
+
+def clip_by_global_norm(
+    optimizer: torch.optim.Optimizer, max_norm: float, owned: Set[int], group, device: torch.device
+) -> None:
+    """``clip_grad_norm_`` over the whole pipeline.
+
+    Each rank adds the squared norms of the gradients it owns (``owned``: parameter ids; a tied
+    parameter counts once), the sum is reduced over the stages, and every gradient on every
+    stage is scaled by the same factor.
+    """
+    params = [p for group_ in optimizer.param_groups for p in group_["params"] if p.grad is not None]
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if id(p) in owned:
+            square += torch.linalg.vector_norm(p.grad.float(), 2.0).to(device) ** 2
+    dist.all_reduce(square, group=group)
+    coefficient = torch.clamp(max_norm / (square.sqrt() + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coefficient.to(p.grad.device, p.grad.dtype))
+
+
+def broadcast_module(module: nn.Module, device: torch.device) -> None:
+    """Rank 0's parameters and buffers to every rank, staged through ``device``.
+
+    The module may still be on the CPU, which NCCL cannot broadcast, so tensors are flattened
+    per dtype on ``device`` (one broadcast each) and copied back.
+    """
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = _flatten([t.detach().to(device) for t in tensors])
+            dist.broadcast(flat, src=0)
+            for t, synced in zip(tensors, _unflatten(flat, tensors)):
+                t.copy_(synced)
