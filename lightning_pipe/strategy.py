@@ -187,7 +187,9 @@ class PipeStrategy(DDPStrategy):
                 "PipeStrategy does not support precision='16-mixed' yet (per-microbatch loss scaling); "
                 "use precision='bf16-mixed' or '32-true'"
             )
-        if self._body is None:
+        if self._body is not None:
+            self._body.mode = "local"
+        else:
             if self.deferred_batch_norm:
                 DeferredBatchNorm.convert_deferred_batch_norm(module)
             self._partition(module)
@@ -457,7 +459,10 @@ class PipeStrategy(DDPStrategy):
     # -- the end -------------------------------------------------------------------------------
     def on_train_end(self) -> None:
         """Put the whole trained model back into the LightningModule (a collective, on every rank)."""
-        if self._body is None or not self.gather_full_model:
+        if self._body is None:
+            return
+        if not self.gather_full_model:
+            self._body.mode = "released"  # fail loudly rather than run stage s alone
             return
         full = self._full_state_dict()
         box = [full]

@@ -21,6 +21,16 @@ from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
 
 def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Sequential]:
+    path, found = _find(module, body)
+    if isinstance(found, PipelinedBody):
+        raise ConfigurationError(
+            f"`{path}` holds only stage {found.stage_index} of a body split by an earlier PipeStrategy run with "
+            "gather_full_model=False; build the module anew or load it from a checkpoint"
+        )
+    return path, found
+
+
+def _find(module: nn.Module, body: Optional[str]) -> Tuple[str, nn.Sequential]:
     """Return ``(attribute path, module)`` of the body: ``body`` if given, else the only candidate.
 
     Candidates are the ``nn.Sequential`` submodules not nested inside another ``nn.Sequential``.
@@ -83,7 +93,8 @@ class PipelinedBody(nn.Sequential):
 
     Modes: ``"local"`` runs the local layers; ``"stop"`` runs them and raises
     :class:`BodyReached` with the result (first stage); ``"replace"`` ignores its input and
-    returns ``replacement`` (last stage: the output the pipeline computed). With
+    returns ``replacement`` (last stage: the output the pipeline computed); ``"released"`` refuses
+    to run (after ``fit`` without gathering the whole model). With
     ``checkpoint_layers`` set, the local layers run under activation checkpointing: on the first
     stage only the layers are recomputed, never the user's code around the body call.
     """
@@ -108,6 +119,12 @@ class PipelinedBody(nn.Sequential):
         return nn.Sequential.forward(self, inputs[0])
 
     def forward(self, *inputs):
+        if self.mode == "released":
+            raise ConfigurationError(
+                f"this body was trained under PipeStrategy(gather_full_model=False) and this process holds only "
+                f"stage {self.stage_index} of {self.num_stages}; load the whole model from a checkpoint "
+                "(Module.load_from_checkpoint) or train with gather_full_model=True"
+            )
         if self.mode == "replace":
             outputs = self.replacement
             return outputs[0] if len(outputs) == 1 else outputs

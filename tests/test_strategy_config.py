@@ -1,0 +1,132 @@
+"""PipeStrategy's configuration checks and pieces, without starting processes."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import SimpleNamespace
+from unittest import mock
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_pipe import ConfigurationError, PipeStrategy
+from lightning_pipe.lightning.body import PipelinedBody, find_body
+
+
+class TwoBodies(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(2, 2))
+        self.decoder = nn.Sequential(nn.Linear(2, 2))
+        self.head = nn.Linear(2, 1)
+
+
+class OneBody(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))  # nested: one candidate
+        self.head = nn.Linear(2, 1)
+
+
+def test_find_body_detects_the_only_sequential():
+    path, body = find_body(OneBody())
+    assert path == "blocks" and len(body) == 2
+
+
+def test_find_body_lists_the_candidates_when_ambiguous():
+    with pytest.raises(ConfigurationError, match=r"several nn.Sequential attributes: \['encoder', 'decoder'\]. "
+                                                 r"Name the one to pipeline with PipeStrategy\(body=...\)"):
+        find_body(TwoBodies())
+    assert find_body(TwoBodies(), "decoder")[0] == "decoder"
+
+
+def test_find_body_errors_name_the_fix():
+    with pytest.raises(ConfigurationError, match="has no nn.Sequential attribute to pipeline"):
+        find_body(nn.Linear(2, 2))
+    with pytest.raises(ConfigurationError, match=r"body='head'\) names a Linear; the body must be an nn.Sequential"):
+        find_body(TwoBodies(), "head")
+    with pytest.raises(ConfigurationError, match="TwoBodies has no submodule 'missing'"):
+        find_body(TwoBodies(), "missing")
+
+
+def test_a_released_body_fails_loudly_and_cannot_be_split_again():
+    module = OneBody()
+    module.blocks = PipelinedBody(OrderedDict(first=nn.Linear(2, 2)), False, 0, 2)
+    module.blocks.mode = "released"
+    with pytest.raises(ConfigurationError, match="holds only stage 0 of 2"):
+        module.blocks(torch.ones(1, 2))
+    with pytest.raises(ConfigurationError, match="gather_full_model=False"):
+        find_body(module)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"pipe_size": 0}, r"pipe_size=0\): give a positive integer"),
+    ({"num_microbatches": 2.5}, r"num_microbatches=2.5\)"),
+    ({"schedule": "zb"}, r"schedule='zb'\): choose one of \['1f1b', 'gpipe'\]"),
+    ({"checkpoint": "sometimes"}, r"checkpoint must be one of"),
+    ({"start_method": "spawn"}, r"only 'popen' is supported"),
+])
+def test_bad_arguments_raise_named_errors(kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        PipeStrategy(**kwargs)
+
+
+def test_registered_names_pick_the_schedule():
+    for name, schedule in (("pipe", "1f1b"), ("pipe_1f1b", "1f1b"), ("pipe_gpipe", "gpipe")):
+        assert name in StrategyRegistry
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+        assert isinstance(trainer.strategy, PipeStrategy) and trainer.strategy.schedule == schedule
+
+
+def _strategy(devices, pipe_size, rank):
+    environment = LightningEnvironment()
+    environment.set_world_size(devices)
+    environment.set_global_rank(rank)
+    return PipeStrategy(pipe_size=pipe_size, parallel_devices=[torch.device("cpu")] * devices,
+                        cluster_environment=environment)
+
+
+def test_layout_puts_pp_outermost_and_shards_data_over_replicas():
+    # 4 processes, 2 stages x 2 replicas: ranks 0,1 are stage 0; ranks 2,3 stage 1
+    layout = [(s.stage_index, s.dp_rank, s.distributed_sampler_kwargs) for s in (_strategy(4, 2, r) for r in range(4))]
+    assert layout == [
+        (0, 0, {"num_replicas": 2, "rank": 0}), (0, 1, {"num_replicas": 2, "rank": 1}),
+        (1, 0, {"num_replicas": 2, "rank": 0}), (1, 1, {"num_replicas": 2, "rank": 1}),
+    ]
+
+
+def test_pipe_size_must_divide_the_world_before_any_collective():
+    strategy = _strategy(4, 3, 0)
+    with mock.patch("torch.distributed.init_process_group") as init:
+        with pytest.raises(ConfigurationError, match=r"pipe_size=3\) must divide the number of processes "
+                                                     r"\(devices x num_nodes = 4\); use a pipe_size among \[1, 2, 4\]"):
+            strategy.setup_environment()
+    init.assert_not_called()
+
+
+def _setup(strategy, module, precision=None):
+    strategy.accelerator = mock.Mock()
+    strategy.connect(module)
+    if precision is not None:
+        strategy.precision_plugin = precision
+    strategy.setup(SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING)))
+
+
+def test_manual_optimization_is_refused():
+    module = OneBody()
+    module.automatic_optimization = False
+    with pytest.raises(ConfigurationError, match="supports automatic optimization only"):
+        _setup(_strategy(2, 2, 0), module)
+
+
+def test_fp16_mixed_precision_is_refused():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    precision = MixedPrecision("16-mixed", device="cpu", scaler=mock.Mock())
+    with pytest.raises(ConfigurationError, match="precision='16-mixed'"):
+        _setup(_strategy(2, 2, 0), OneBody(), precision)
