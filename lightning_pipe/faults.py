@@ -27,38 +27,46 @@ _POLL_STORE_EVERY = 0.05  # seconds between looks at the store while a message i
 _GRACE = 3.0  # seconds to wait for a failed peer's message after its connection broke
 
 
+JOB_PREFIX = "lightning_pipe/job/"  # errors any rank of the job reports, for channels that watch the job
+
+
 class ErrorChannel:
-    """The first error reported by any rank of one pipeline, through the store.
+    """The first error reported by any rank of one pipeline (or of the job), through the store.
 
     Args:
         store: a ``torch.distributed.Store`` shared by the pipeline's ranks.
         prefix: keys are written under it; the same on every rank of the pipeline.
         timeout: how long a single message may be awaited before giving up.
+        threaded: wait for works on a helper thread (gloo) instead of polling them (NCCL).
+
+    With ``watch_job`` set (PipeStrategy sets it: a job with replicas cannot go on once one of
+    them failed), errors reported anywhere in the job through :func:`report_job_error` stop the
+    waits too. A store that stops answering counts as an error: it lives in global rank 0.
     """
 
     def __init__(self, store: Optional[dist.Store], prefix: str, timeout: timedelta, threaded: bool = True) -> None:
         self.store = dist.PrefixStore(prefix, store) if store is not None else None
+        self.job = dist.PrefixStore(JOB_PREFIX, store) if store is not None else None
         self.timeout = timeout.total_seconds()
+        self.watch_job = False
         self._waiter = _Waiter() if threaded else None
 
     def report(self, message: str) -> None:
         """Publish this rank's error (only the first one per pipeline is kept as the cause)."""
-        if self.store is None:
-            return
-        try:
-            number = self.store.add("count", 1)
-            self.store.set(f"error/{number}", message)
-        except Exception:  # the store may be gone too; the raise on this rank still happens
-            pass
+        _publish(self.store, message)
+        if self.watch_job:
+            _publish(self.job, message)
 
     def first_error(self) -> Optional[str]:
         if self.store is None:
             return None
         try:
-            if self.store.check(["error/1"]):
-                return self.store.get("error/1").decode()
-        except Exception:
-            return None
+            for store in (self.store, self.job) if self.watch_job else (self.store,):
+                if store.check(["error/1"]):
+                    return store.get("error/1").decode()
+        except Exception as exc:
+            return (f"lost the connection to the job's store, which global rank 0 hosts ({type(exc).__name__}); "
+                    "global rank 0 probably exited or died")
         return None
 
     def wait(self, work: dist.Work, what: str) -> None:
@@ -120,6 +128,23 @@ class ErrorChannel:
             # long wait does not steal a core from the ranks that compute.
             time.sleep(pause)
             pause = min(pause * 2 + 1e-5, 2e-4)
+
+
+def _publish(store: Optional[dist.Store], message: str) -> None:
+    if store is None:
+        return
+    try:
+        number = store.add("count", 1)
+        store.set(f"error/{number}", message)
+    except Exception:  # the store may be gone too; the raise on this rank still happens
+        pass
+
+
+def report_job_error(message: str) -> None:
+    """Tell every pipeline of the job that watches it that this rank failed."""
+    if dist.is_initialized():
+        # Private API: the default store is the one every rank already shares (see pipeline.py).
+        _publish(dist.PrefixStore(JOB_PREFIX, dist.distributed_c10d._get_default_store()), message)
 
 
 class _Slot:

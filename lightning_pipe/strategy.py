@@ -15,6 +15,8 @@ still runs the precision plugin's hooks so ``on_before_backward``/``on_after_bac
 from __future__ import annotations
 
 from collections import OrderedDict
+import signal
+import time
 from datetime import timedelta
 from typing import Any, Dict, List, Literal, Optional, Union
 
@@ -31,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError, PartitionError
+from lightning_pipe.faults import report_job_error
 from lightning_pipe.lightning import grads, logs, state
 from lightning_pipe.lightning.body import PipelinedBody, find_body, set_submodule
 from lightning_pipe.lightning.steps import FirstStage, loss_of, merge_outputs
@@ -42,6 +45,9 @@ from lightning_pipe.partition import (
 )
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import SCHEDULES
+
+
+_GRACE_SECONDS = 5.0  # how long the launcher lets other ranks fail on their own after an exception
 
 
 class PipeStrategy(DDPStrategy):
@@ -205,6 +211,7 @@ class PipeStrategy(DDPStrategy):
             timeout=self._timeout or default_pg_timeout,
             device=self.root_device,
         )
+        self._pipeline.errors.watch_job = True  # replicas cannot go on once any rank failed
         self._recorder = logs.LogRecorder(module, self._body_path)
         for metric in (m for m in module.modules() if isinstance(m, logs.Metric)):
             if metric.process_group is None:
@@ -232,6 +239,11 @@ class PipeStrategy(DDPStrategy):
         grads.broadcast_module(module, self.root_device)  # every stage and replica starts from rank 0's weights
         self._param_order = [n for n, _ in module.named_parameters()]
         self._key_order = list(module.state_dict())
+        first_key: Dict[int, str] = {}
+        self._aliases = {}  # state_dict keys of a tensor registered twice (tied weights) -> its first key
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            self._aliases[key] = first_key.setdefault(id(tensor), key)
+        self._aliases = {k: v for k, v in self._aliases.items() if k != v}
         start, stop = split_points(balance)[self.stage_index]
         layers = OrderedDict((n, body._modules[n]) for n in names[start:stop])
         self._body = PipelinedBody(layers, isinstance(body, SequentialModel), self.stage_index, self.pp_size)
@@ -423,6 +435,9 @@ class PipeStrategy(DDPStrategy):
         merged = {}
         for part in parts:
             merged.update(part)
+        for alias, key in self._aliases.items():  # one tensor under both names: saved once, as a plain run would
+            if key in merged:
+                merged[alias] = merged[key]
         return OrderedDict((k, merged[k]) for k in self._key_order if k in merged)
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
@@ -457,6 +472,25 @@ class PipeStrategy(DDPStrategy):
             optimizer.load_state_dict(state.localize_optimizer(saved, layout, optimizer, names))
 
     # -- the end -------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        """Make the whole job stop: tell every pipeline, and on the launcher end stuck ranks.
+
+        Lightning kills the other ranks only on KeyboardInterrupt. A rank of another replica can
+        be blocked in a collective that this failure left unmatched, so the launching process
+        gives the other ranks a few seconds to fail on their own, then kills what is left.
+        """
+        super().on_exception(exception)
+        report_job_error(f"global rank {self.global_rank} (stage {self.stage_index}, replica {self.dp_rank}) "
+                         f"failed: {type(exception).__name__}: {exception}")
+        launcher = self.launcher
+        procs = getattr(launcher, "procs", None)
+        if procs:
+            deadline = time.monotonic() + _GRACE_SECONDS
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                time.sleep(0.1)
+            if any(p.poll() is None for p in procs):
+                launcher.kill(signal.SIGKILL)
+
     def on_train_end(self) -> None:
         """Put the whole trained model back into the LightningModule (a collective, on every rank)."""
         if self._body is None:

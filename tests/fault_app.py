@@ -1,0 +1,44 @@
+"""tests/lightning_app.py with an injected failure, run as a script by tests/test_scaling.py.
+
+``python tests/fault_app.py --fail-rank 3 --fail-epoch 1 --fail-batch 1 --fail-how raise <lightning_app args>``
+trains ``lightning_app.Regressor`` but makes global rank 3 raise ``RuntimeError("injected failure on
+global rank 3")`` (or, with ``--fail-how kill``, SIGKILL itself) at the start of training_step for
+that epoch and batch. Lightning's launcher re-executes this script, so every rank gets the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lightning_app  # noqa: E402
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fail-rank", type=int, required=True)
+    parser.add_argument("--fail-epoch", type=int, default=0)
+    parser.add_argument("--fail-batch", type=int, default=1)
+    parser.add_argument("--fail-how", choices=["raise", "kill"], default="raise")
+    return parser.parse_known_args(argv)
+
+
+FAULT = argparse.Namespace(fail_rank=-1, fail_epoch=0, fail_batch=0, fail_how="raise")  # set by parse()
+
+
+class FaultyRegressor(lightning_app.Regressor):
+    def training_step(self, batch, batch_idx):
+        if (self.global_rank, self.current_epoch, batch_idx) == (FAULT.fail_rank, FAULT.fail_epoch, FAULT.fail_batch):
+            if FAULT.fail_how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure on global rank {self.global_rank}")
+        return super().training_step(batch, batch_idx)
+
+
+if __name__ == "__main__":
+    FAULT, APP_ARGS = parse()
+    lightning_app.Regressor = FaultyRegressor  # main() builds the model by this name
+    lightning_app.main(APP_ARGS)
