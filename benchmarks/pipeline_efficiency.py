@@ -324,8 +324,8 @@ def notes(per_rank, medians: Dict[str, float], idle_cpu: List[float], best: str)
     busy = [b for name in ("ours gpipe", "ours 1f1b") for b in busy_fractions(per_rank, name)]
     if max(busy) > bubble_bound + 0.02:
         lines.append(
-            "busy above the bubble bound: the engine's StepResult.compute_seconds counts time spent "
-            "waiting for messages"
+            "busy above the bubble bound: the bound assumes equal stages, but the last stage also computes "
+            "the loss and its input gradients, so it does more work than stage 0"
         )
     lines.append(f"rank 1 CPU use while rank 0 timed the baseline: {max(idle_cpu):.1%} of one core at most")
     return lines
