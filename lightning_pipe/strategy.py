@@ -37,6 +37,7 @@ from lightning_pipe.faults import report_job_error
 from lightning_pipe.lightning import grads, logs, state
 from lightning_pipe.lightning.body import PipelinedBody, find_body, set_submodule
 from lightning_pipe.lightning.steps import FirstStage, loss_of, merge_outputs
+from lightning_pipe.microbatch import scatter
 from lightning_pipe.partition import (
     SequentialModel,
     balance_by_parameters,
@@ -396,14 +397,14 @@ class PipeStrategy(DDPStrategy):
             per_microbatch = self._pipeline.forward_microbatches(*((batch,) if first else ()))
             outputs = None
             if last:
-                from lightning_pipe.microbatch import scatter
-
                 parts = scatter((batch,), len(per_microbatch), self._pipeline.batch_dim)
                 results = [self._run_replaced(out, part[0]) for out, part in zip(per_microbatch, parts)]
                 outputs = merge_outputs(results)
         calls = self._recorder.fold(self._pipeline.last_sizes) if last else None
-        outputs = self._share_results(None, calls, outputs if hook == "predict_step" else None)
-        return outputs
+        if hook == "predict_step":  # every rank returns the predictions, so rank 0 can hand them back
+            return self._share_results(None, calls, outputs)
+        self._share_results(None, calls)
+        return outputs  # the step's merged output on the last stage (for on_*_batch_end), else None
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("validation_step", self.precision_plugin.val_step_context(), args)
