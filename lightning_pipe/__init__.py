@@ -12,7 +12,8 @@ from lightning_pipe.errors import (
 from lightning_pipe.microbatch import NoChunk
 from lightning_pipe.partition import SequentialModel, balance_by_layers, balance_by_parameters, partition
 from lightning_pipe.pipeline import GPipe, PipeDream, Pipeline
-from lightning_pipe.strategy import PipeStrategy  # registers "pipe", "pipe_1f1b", "pipe_gpipe"
+from lightning_pipe.strategy import PipeStrategy
+from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f1b", "pipe_gpipe"
 
 __version__ = "0.1.0"
 
@@ -33,5 +34,6 @@ __all__ = [
     "balance_by_parameters",
     "is_checkpointing",
     "is_recomputing",
+    "make_subgroups",
     "partition",
 ]
