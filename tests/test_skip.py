@@ -84,7 +84,7 @@ def test_unet_skips_every_checkpoint_mode_and_schedule(num_stages):
     distributed.run(_grid, num_stages, cases, timeout=240)
 
 
-@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
 def test_resnet_deferred_batch_norm(num_stages):
     cases = [(resnet, RESNET_BALANCE[num_stages], s, c, 4, True) for s in SCHEDULES for c in MODES]
     cases.append((resnet, RESNET_BALANCE[num_stages], "gpipe", "never", 4, False))  # plain BN: per microbatch
@@ -174,3 +174,21 @@ def test_deferred_batch_norm_converts_and_rejects_sync_batch_norm():
     assert [type(m).__name__ for m in converted.modules()].count("DeferredBatchNorm") == 2
     with pytest.raises(ValueError, match="SyncBatchNorm cannot be deferred"):
         DeferredBatchNorm.convert_deferred_batch_norm(nn.SyncBatchNorm(3))
+
+
+def test_skip_layout_sends_crossing_skips_directly_and_keeps_local_ones_local():
+    from lightning_pipe.partition import split_points
+    from lightning_pipe.skip import SkipLayout
+    from lightning_pipe.skip.layout import declarations
+
+    model = unet()
+    layers = list(model.named_children())
+    for balance, routes, crossing in (
+        ([3, 5], ((0, 1),), {(0, 1): 2}),  # both U-Net skips cross one boundary together; the mask stays on stage 1
+        ([1, 3, 4], ((0, 2), (1, 2)), {(0, 2): 1, (1, 2): 2}),  # outer skip 0 -> 2 directly; inner + mask 1 -> 2
+        ([1, 2, 3, 2], ((0, 3), (1, 3)), {(0, 3): 1, (1, 3): 1}),  # crosses 3 and 2 boundaries; mask local
+    ):
+        per_stage = [declarations(layers[a:b]) for a, b in split_points(balance)]
+        layout = SkipLayout(per_stage)
+        assert layout.routes == routes
+        assert {k: len(v) for k, v in layout.crossing.items()} == crossing
