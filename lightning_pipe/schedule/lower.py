@@ -45,8 +45,19 @@ def lower(tables: tuple, routes: Sequence[Tuple[int, int]] = ()) -> tuple:
     if is_lowered(tables):
         raise ScheduleError("lower() takes a table of compute actions only; this one is lowered already")
     last = num_stages_of(tables) - 1
-    out_routes = {a: sorted(b for x, b in routes if x == a) for a, _ in routes}
-    in_routes = {b: sorted(a for a, y in routes if y == b) for _, b in routes}
+    # per stage, the (kind, peer) messages before and after each F and B
+    around = {}
+    for s in range(last + 1):
+        outgoing = sorted(b for a, b in routes if a == s)
+        incoming = sorted(a for a, b in routes if b == s)
+        around[(F, s)] = (
+            [(RECV_F, s - 1)] * (s > 0) + [(RECV_SKIP, p) for p in incoming],
+            [(SEND_F, s + 1)] * (s < last) + [(SEND_SKIP, p) for p in outgoing],
+        )
+        around[(B, s)] = (
+            [(RECV_B, s + 1)] * (s < last) + [(RECV_SKIP_GRAD, p) for p in outgoing],
+            [(SEND_B, s - 1)] * (s > 0) + [(SEND_SKIP_GRAD, p) for p in incoming],
+        )
     new = tuple.__new__  # Action(...) without NamedTuple's argument handling: lowering is hot
     lowered = []
     for row in tables:
@@ -54,27 +65,14 @@ def lower(tables: tuple, routes: Sequence[Tuple[int, int]] = ()) -> tuple:
         append = out.append
         for a in row:
             kind, s, i = a.kind, a.stage_index, a.microbatch_index
-            if kind == F:
-                if s > 0:
-                    append(new(Action, (RECV_F, s, i, s - 1)))
-                for peer in in_routes.get(s, ()):
-                    append(new(Action, (RECV_SKIP, s, i, peer)))
-                append(a)
-                if s < last:
-                    append(new(Action, (SEND_F, s, i, s + 1)))
-                for peer in out_routes.get(s, ()):
-                    append(new(Action, (SEND_SKIP, s, i, peer)))
-            elif kind == B:
-                if s < last:
-                    append(new(Action, (RECV_B, s, i, s + 1)))
-                for peer in out_routes.get(s, ()):
-                    append(new(Action, (RECV_SKIP_GRAD, s, i, peer)))
-                append(a)
-                if s > 0:
-                    append(new(Action, (SEND_B, s, i, s - 1)))
-                for peer in in_routes.get(s, ()):
-                    append(new(Action, (SEND_SKIP_GRAD, s, i, peer)))
-            else:  # pragma: no cover - guarded by is_lowered
-                raise ScheduleError(f"unexpected action {a} in a compute table")
+            try:
+                before, after = around[(kind, s)]
+            except KeyError:  # pragma: no cover - guarded by is_lowered
+                raise ScheduleError(f"unexpected action {a} in a compute table") from None
+            for message, peer in before:
+                append(new(Action, (message, s, i, peer)))
+            append(a)
+            for message, peer in after:
+                append(new(Action, (message, s, i, peer)))
         lowered.append(tuple(out))
     return tuple(lowered)
