@@ -365,3 +365,11 @@ def test_format_table_backward_twice_forward_spans_two_slots():
 
 def test_format_table_accepts_lowered_tables():
     assert format_table(lower(one_f_one_b(2, 3))) == format_table(one_f_one_b(2, 3))
+
+
+def test_validate_finds_out_of_order_links_in_compute_tables():
+    """Stage 1 takes microbatch 1 first although stage 0 sends microbatch 0 first: gloo would hand it
+    the wrong tensors (messages on a link are matched in FIFO order)."""
+    with pytest.raises(ScheduleError, match=r"rank 1, action 0: receives out of order: the next message on "
+                                            r"this link is microbatch 0\nrank 0: .*\nrank 1: 1RF1@0 <-- ERROR HERE"):
+        validate(parse_table(["0F0 0F1 0B1 0B0", "1F1 1F0 1B1 1B0"]))
