@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -222,6 +223,7 @@ class PipeStrategy(DDPStrategy):
             self._record_layouts()
             self._use_global_clipping()
             self._print_summary()
+            self._show_whole_model_at_fit_start(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -251,6 +253,29 @@ class PipeStrategy(DDPStrategy):
         self._full_body = [body]
         self._body_path = path
         set_submodule(module, path, self._body)
+
+    def _show_whole_model_at_fit_start(self, trainer: Any) -> None:
+        """Let ``on_fit_start`` callbacks (the model summary) see the whole body, as under DDP.
+
+        The unsplit body is put back into the module by a callback that runs first and the local
+        stage by one that runs last; nothing trains in between. Its layers of other stages still
+        hold the initial weights, which is all a summary reads.
+        """
+        strategy = self
+
+        class _Swap(Callback):
+            def __init__(self, whole: bool) -> None:
+                self.whole = whole
+
+            def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+                body = strategy._full_body[0] if self.whole else strategy._body
+                if body is not None:
+                    set_submodule(pl_module, strategy._body_path, body)
+                if not self.whole:
+                    trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, _Swap)]
+
+        trainer.callbacks.insert(0, _Swap(whole=True))
+        trainer.callbacks.append(_Swap(whole=False))
 
     def _restore_body(self) -> None:
         if self._body is None:

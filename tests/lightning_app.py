@@ -115,6 +115,7 @@ def parse(argv=None):
     parser.add_argument("--model", default="regressor", choices=["regressor", "skipbn"])
     parser.add_argument("--deferred-batch-norm", action="store_true")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--model-summary", action="store_true")
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
@@ -151,7 +152,7 @@ def main(argv=None):
         logger=[CSVLogger(args.root, name="logs", version=0), TensorBoardLogger(args.root, name="tb", version=0)],
         log_every_n_steps=1, precision=args.precision,
         callbacks=[checkpoint, EarlyStopping(monitor="val_loss", patience=5)],
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.root,
+        enable_progress_bar=False, enable_model_summary=args.model_summary, default_root_dir=args.root,
     )
     train, val = loaders()
     trainer.fit(model, train, val, ckpt_path=args.resume)

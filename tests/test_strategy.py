@@ -7,6 +7,7 @@ per rank), with a hard timeout. The reference runs are cached per session.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,7 @@ def run_app(tmp_path_factory, name, *args, expect_failure=False):
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = torch.load(out, weights_only=False)
     result["root"] = root
+    result["output"] = proc.stdout + proc.stderr
     return result
 
 
@@ -95,7 +97,10 @@ def test_checkpoint_loads_in_a_plain_process(tmp_path_factory, reference):
     sys.path.insert(0, os.path.dirname(__file__))
     from lightning_app import Regressor
 
-    result = run_app(tmp_path_factory, "pipe_ckpt", "--strategy", "pipe", "--devices", 2, "--max-epochs", 1)
+    result = run_app(tmp_path_factory, "pipe_ckpt", "--strategy", "pipe", "--devices", 2, "--max-epochs", 1,
+                     "--model-summary")
+    # rank 0's model summary counts the whole model (embed 40 + body 432 + head 9), not stage 0's part
+    assert re.search(r"481\s+Total params", result["output"]), result["output"][-3000:]
     checkpoint = torch.load(result["last_model_path"], weights_only=False)
     assert list(checkpoint["state_dict"]) == list(Regressor().state_dict())
     model = Regressor.load_from_checkpoint(result["last_model_path"])
