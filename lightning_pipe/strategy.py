@@ -49,6 +49,22 @@ from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import SCHEDULES
 
 
+class _BodySwap(Callback):
+    """Puts the unsplit body into the module (``whole``) or the local stage back, at fit start."""
+
+    def __init__(self, strategy: "PipeStrategy", whole: bool) -> None:
+        self.strategy = strategy
+        self.whole = whole
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        strategy = self.strategy
+        body = strategy._full_body[0] if self.whole else strategy._body
+        if body is not None:
+            set_submodule(pl_module, strategy._body_path, body)
+        if not self.whole:  # the last callback: both swaps are done for this fit
+            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, _BodySwap)]
+
+
 _GRACE_SECONDS = 5.0  # how long the launcher lets other ranks fail on their own after an exception
 
 
@@ -261,21 +277,8 @@ class PipeStrategy(DDPStrategy):
         stage by one that runs last; nothing trains in between. Its layers of other stages still
         hold the initial weights, which is all a summary reads.
         """
-        strategy = self
-
-        class _Swap(Callback):
-            def __init__(self, whole: bool) -> None:
-                self.whole = whole
-
-            def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-                body = strategy._full_body[0] if self.whole else strategy._body
-                if body is not None:
-                    set_submodule(pl_module, strategy._body_path, body)
-                if not self.whole:
-                    trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, _Swap)]
-
-        trainer.callbacks.insert(0, _Swap(whole=True))
-        trainer.callbacks.append(_Swap(whole=False))
+        trainer.callbacks.insert(0, _BodySwap(self, whole=True))
+        trainer.callbacks.append(_BodySwap(self, whole=False))
 
     def _restore_body(self) -> None:
         if self._body is None:
