@@ -1,5 +1,6 @@
 """lightning_pipe: pipeline parallelism for PyTorch and PyTorch Lightning."""
 
+from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
 from lightning_pipe.errors import (
     ConfigurationError,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigurationError",
+    "DeferredBatchNorm",
     "GPipe",
     "NoChunk",
     "PartitionError",
