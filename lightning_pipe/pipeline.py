@@ -21,7 +21,7 @@ from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel
-from lightning_pipe.microbatch import gather, scatter
+from lightning_pipe.microbatch import batch_size_of, gather, microbatch_sizes, scatter
 from lightning_pipe.schedule import SCHEDULES, gpipe_forward, validate
 from lightning_pipe.skip.layout import SkipLayout, declarations
 from lightning_pipe.stage import Stage
@@ -151,28 +151,23 @@ class Pipeline:
             signature = (torch.is_grad_enabled(), _meta_signature(microbatches))
             fresh = signature != self._signature
             self._signature = signature
-            sizes = [self._size(mb) for mb in microbatches]
+            sizes = microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks)
             header = [len(microbatches), int(fresh)] + sizes + [0] * (self.chunks - len(sizes))
         header = self.transport.exchange_header(header, 2 + self.chunks)
         num_microbatches = header[0]
         self.last_sizes = header[2 : 2 + num_microbatches]
         return microbatches, self.last_sizes
 
-    def _size(self, microbatch) -> int:
-        leaves, _ = tree_flatten(microbatch)
-        return next(l.shape[self.batch_dim] for l in leaves if isinstance(l, torch.Tensor) and l.dim() > 0)
-
     def _split_labels(self, labels: tuple, sizes: Sequence[int]) -> list:
         if not labels:
             return [()] * len(sizes)
-        parts = scatter(tuple(labels), len(sizes), self.batch_dim)
-        got = [self._size(p) for p in parts]
+        got = microbatch_sizes(batch_size_of(labels, self.batch_dim), len(sizes))
         if got != list(sizes):
             raise ConfigurationError(
                 f"labels split into microbatches of sizes {got} but the inputs into {list(sizes)}; "
                 "labels need the inputs' batch size along batch_dim"
             )
-        return parts
+        return scatter(tuple(labels), len(sizes), self.batch_dim)
 
     def _loss_fn(self, criterion, labels, sizes, loss_scale, losses) -> Callable[[int, tuple], torch.Tensor]:
         """The last stage's per-microbatch loss: weighted by size, scaled for backward, recorded."""

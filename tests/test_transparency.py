@@ -73,3 +73,39 @@ def test_multi_input_output_stages_with_int_tensor(num_stages):
     balance = {2: [2, 3], 3: [2, 2, 1]}[num_stages]
     cases = [(multi_io, s, c, 7, 2, "never", balance) for s in SCHEDULES for c in (1, 3)]
     distributed.run(_grid, num_stages, cases, timeout=120)
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6).double()
+
+    def forward(self, mask, x):
+        return self.linear(x) * mask.sum()
+
+
+def _no_chunk_first(rank, world):
+    from lightning_pipe import NoChunk, SequentialModel
+
+    torch.manual_seed(0)
+    full = SequentialModel(_Masked(), nn.Linear(6, 6).double())
+    reference = copy.deepcopy(full)
+    pipe = GPipe(partition(full, rank, world), chunks=2)
+    x, y, mask = (torch.randn(6, 6, dtype=torch.float64) for _ in range(3))
+    mask = mask[0, :5]  # 5 values, not the batch size: the microbatch sizes must come from x
+    loss, _ = pipe.forward_backward(NoChunk(mask), x, criterion=nn.functional.mse_loss, labels=(y,))
+    ref_loss = nn.functional.mse_loss(reference(mask, x), y)
+    ref_loss.backward()
+    if rank == world - 1:
+        torch.testing.assert_close(loss, ref_loss.detach())
+    ref_params = dict(reference.named_parameters())
+    for name, p in full.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref_params[name].grad)
+    return True
+
+
+def test_a_leading_no_chunk_tensor_does_not_set_the_microbatch_sizes():
+    """Regression: the sizes sent in the step header were read from the first tensor of each
+    microbatch, which is a NoChunk tensor here (5 values), so the labels check failed."""
+    distributed.run(_no_chunk_first, 2, timeout=120)
