@@ -9,7 +9,7 @@ any number of stages.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -115,7 +115,3 @@ def owner_of_key(key: str, parameter_owner: Mapping[str, int], default: int = 0)
     module_path = key.rpartition(".")[0]
     owners = [stage for name, stage in parameter_owner.items() if name.rpartition(".")[0] == module_path]
     return min(owners) if owners else default
-
-
-def filter_state_dict(full: Mapping[str, Any], keys: Optional[set]) -> Dict[str, Any]:
-    return {k: v for k, v in full.items() if keys is None or k in keys}
