@@ -14,6 +14,9 @@ import torch  # noqa: F401  (the doctests use it)
 from torch import nn
 
 from lightning_pipe.errors import PartitionError
+from lightning_pipe.ties import find_ties
+
+TIES_ATTRIBUTE = "_lightning_pipe_ties"  # the tied parameters of the model a stage was cut from
 
 
 class SequentialModel(nn.Sequential):
@@ -162,6 +165,8 @@ def partition(
 
     Returns:
         The local stage, of the same class as ``module`` and with the original child names.
+        Parameters registered in layers of several stages (tied weights) are remembered, and
+        :class:`lightning_pipe.Pipeline` sums their gradients over those stages in every step.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
@@ -180,7 +185,12 @@ def partition(
     if balance is None:
         balance = balance_by_parameters(module, num_parts)
     balance = check_balance(balance, len(names), num_parts)
+    ranges = split_points(balance)
+    rank_of = {name: k % nranks for k, (start, stop) in enumerate(ranges) for name in names[start:stop]}
+    ties = find_ties(module, lambda name: [rank_of[name.split(".", 1)[0]]])
     parts = []
-    for start, stop in split_points(balance)[rank::nranks]:
-        parts.append(type(module)(OrderedDict((name, module._modules[name]) for name in names[start:stop])))
+    for start, stop in ranges[rank::nranks]:
+        part = type(module)(OrderedDict((name, module._modules[name]) for name in names[start:stop]))
+        part.__dict__[TIES_ATTRIBUTE] = ties  # read by the pipeline, which sums their gradients over stages
+        parts.append(part)
     return parts if num_model_chunks is not None else parts[0]

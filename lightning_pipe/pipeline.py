@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_pipe import rng
 from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
@@ -24,7 +25,9 @@ from lightning_pipe.faults import ErrorChannel
 from lightning_pipe.microbatch import batch_size_of, gather, microbatch_sizes, scatter
 from lightning_pipe.schedule import SCHEDULES, gpipe_forward, validate
 from lightning_pipe.skip.layout import SkipLayout, declarations
+from lightning_pipe.partition import TIES_ATTRIBUTE
 from lightning_pipe.stage import Stage
+from lightning_pipe.ties import TiedGradients, sum_step_gradients
 from lightning_pipe.transport import Transport
 
 _instances = itertools.count()
@@ -96,17 +99,19 @@ class Pipeline:
         self._num_stages = len(self.ranks)
         checkpoint = check_checkpoint(checkpoint)
         self.skip_layout = self._skip_layout(module)
-        self.stage = Stage(module, self._stage_index, self._num_stages, checkpoint)
+        device = device if device is not None else _device_of(module, self.group)
+        self.stage = Stage(module, self._stage_index, self._num_stages, checkpoint, device)
+        self.ties = TiedGradients(getattr(module, TIES_ATTRIBUTE, ()), module, self._stage_index, self.group, device)
         # Private API: the default store is the one place every rank already shares without a new
         # rendezvous; the error channel needs exactly that.
         store = dist.distributed_c10d._get_default_store()
         prefix = f"lightning_pipe/{next(_instances)}/{'-'.join(map(str, self.ranks))}/"
         self.errors = ErrorChannel(store, prefix, timeout, threaded=dist.get_backend(self.group) != "nccl")
-        device = device if device is not None else _device_of(module, self.group)
         self.transport = Transport(self.group, self._stage_index, self._num_stages, device, self.errors)
         self.executor = Executor(self.stage, self.transport, self._stage_index, self.skip_layout)
         self._rows: Dict[Tuple[str, int], tuple] = {}
         self._signature = None
+        self.step_seed: Optional[int] = None
         self._step = 0
         self.last_step: Optional[StepResult] = None
         self.last_sizes: List[int] = []
@@ -152,10 +157,11 @@ class Pipeline:
             fresh = signature != self._signature
             self._signature = signature
             sizes = microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks)
-            header = [len(microbatches), int(fresh)] + sizes + [0] * (self.chunks - len(sizes))
-        header = self.transport.exchange_header(header, 2 + self.chunks)
+            header = [len(microbatches), int(fresh), rng.draw_step_seed()] + sizes + [0] * (self.chunks - len(sizes))
+        header = self.transport.exchange_header(header, 3 + self.chunks)
         num_microbatches = header[0]
-        self.last_sizes = header[2 : 2 + num_microbatches]
+        self.step_seed = self.stage.step_seed = header[2]
+        self.last_sizes = header[3 : 3 + num_microbatches]
         return microbatches, self.last_sizes
 
     def _split_labels(self, labels: tuple, sizes: Sequence[int]) -> list:
@@ -169,8 +175,8 @@ class Pipeline:
             )
         return scatter(tuple(labels), len(sizes), self.batch_dim)
 
-    def _loss_fn(self, criterion, labels, sizes, loss_scale, losses) -> Callable[[int, tuple], torch.Tensor]:
-        """The last stage's per-microbatch loss: weighted by size, scaled for backward, recorded."""
+    def _loss_fn(self, criterion, labels, sizes, loss_scale, loss_reduction, losses) -> Callable[[int, tuple], torch.Tensor]:
+        """The last stage's per-microbatch loss: weighted, scaled for backward, recorded."""
         label_parts = self._split_labels(tuple(labels), sizes)
         total = float(sum(sizes))
 
@@ -181,7 +187,7 @@ class Pipeline:
                     f"the loss of a microbatch must be a one-element tensor, got {type(loss).__name__} "
                     f"{tuple(getattr(loss, 'shape', ()))}; reduce it in the criterion"
                 )
-            weighted = loss.reshape(()) * (sizes[i] / total)
+            weighted = loss.reshape(()) * (sizes[i] / total) if loss_reduction == "mean" else loss.reshape(())
             losses[i] = weighted.detach()
             return weighted * loss_scale if loss_scale != 1.0 else weighted
 
@@ -194,28 +200,40 @@ class Pipeline:
         labels: Sequence[Any] = (),
         return_outputs: bool = False,
         loss_scale: float = 1.0,
+        loss_reduction: str = "mean",
     ) -> Tuple[Optional[torch.Tensor], Any]:
         """Run forward and backward of one batch through the pipeline.
 
         ``criterion(*outputs, *labels)`` runs per microbatch on the last stage (without a
-        criterion the last stage's output is the loss). The loss returned is the microbatch losses'
-        mean weighted by microbatch size, and the gradients accumulated into ``.grad`` are those of
-        that loss: for a mean-reduced criterion, exactly one forward/backward of the whole batch.
-        ``loss_scale`` multiplies the loss that is backpropagated, not the loss returned (Lightning
-        divides by ``accumulate_grad_batches`` this way).
+        criterion the last stage's output is the loss). With ``loss_reduction="mean"`` the loss
+        returned is the microbatch losses' mean weighted by microbatch size, and the gradients
+        accumulated into ``.grad`` are those of that loss: for a criterion that averages over
+        samples, exactly one forward/backward of the whole batch. With ``"sum"`` the microbatch
+        losses are summed: right for a criterion that sums over samples (``reduction="sum"``). A
+        loss averaged over something else (tokens under a padding mask) is exact as ``"sum"`` of
+        per-microbatch sums with ``loss_scale=1 / total count``. ``loss_scale`` multiplies the loss
+        that is backpropagated, not the loss returned (Lightning divides by
+        ``accumulate_grad_batches`` this way). Tied parameters that :func:`partition` found on
+        several stages get the sum of their stages' gradients before this returns.
 
         Returns:
             ``(loss, outputs)`` on the last stage (``outputs`` None unless ``return_outputs``);
             ``(None, None)`` on the other stages.
         """
+        if loss_reduction not in ("mean", "sum"):
+            raise ConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         microbatches, sizes = self._start_step(inputs)
         num_microbatches = len(sizes)
         losses: Dict[int, torch.Tensor] = {}
-        loss_fn = self._loss_fn(criterion, labels, sizes, loss_scale, losses) if self.stage.is_last else None
-        result = self.executor.run(
-            self._row(self.schedule, num_microbatches), self._step, num_microbatches,
-            microbatches, loss_fn, keep_outputs=return_outputs,
-        )
+        loss_fn = self._loss_fn(criterion, labels, sizes, loss_scale, loss_reduction, losses) if self.stage.is_last else None
+
+        def run() -> StepResult:
+            return self.executor.run(
+                self._row(self.schedule, num_microbatches), self._step, num_microbatches,
+                microbatches, loss_fn, keep_outputs=return_outputs,
+            )
+
+        result = sum_step_gradients(self.ties, run) if self.ties else run()
         self._finish_step(result)
         if not self.stage.is_last:
             return None, None
@@ -226,8 +244,16 @@ class Pipeline:
     def _finish_step(self, result: StepResult) -> None:
         if self.deferred_batch_norm:
             commit_deferred_batch_norm(self.module)
+        self.reseed(rng.END)
         self._step += 1
         self.last_step = result
+
+    def reseed(self, *keys: int) -> None:
+        """Put torch, Python and NumPy generators in the state ``rng.derive(step seed, *keys)``.
+
+        After a step every rank of the pipeline is left in the state of ``keys = (rng.END,)``.
+        """
+        rng.seed_all(rng.derive(self.step_seed, *keys), self.transport.device)
 
     def forward_microbatches(self, *inputs: Any) -> Optional[List[tuple]]:
         """Run forward only and return the last stage's outputs per microbatch (None elsewhere)."""

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from lightning_pipe import rng
 from lightning_pipe.checkpoint import checkpointed, should_checkpoint
 from lightning_pipe.errors import PipelineStepError
 from lightning_pipe.memory import ActivationMeter
@@ -43,13 +44,21 @@ class Stage:
         stage_index: position of this stage in the pipeline.
         num_stages: number of stages.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        device: the device whose generator is seeded per microbatch (besides the CPU's).
+
+    Each forward of microbatch ``i`` starts from the random state ``rng.derive(step_seed, i,
+    stage_index)`` when ``step_seed`` is set (the pipeline sets it every step), so dropout draws
+    the same numbers whatever the schedule's order.
     """
 
-    def __init__(self, module: nn.Module, stage_index: int, num_stages: int, checkpoint: str = "never") -> None:
+    def __init__(self, module: nn.Module, stage_index: int, num_stages: int, checkpoint: str = "never",
+                 device: torch.device = torch.device("cpu")) -> None:
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.checkpoint = checkpoint
+        self.device = device
+        self.step_seed: Optional[int] = None
         self.meter = ActivationMeter(module.parameters())
         self._pending: Dict[int, _Pending] = {}
 
@@ -87,6 +96,8 @@ class Stage:
         the backward starts from ``loss_fn(microbatch_index, outputs)`` instead of the outputs.
         """
         skips = skips or {}
+        if self.step_seed is not None:
+            rng.seed_torch(rng.derive(self.step_seed, microbatch_index, self.stage_index), self.device)
         tracker = SkipTracker(skips)
         keep_graph = torch.is_grad_enabled()
         use_checkpoint = keep_graph and should_checkpoint(self.checkpoint, microbatch_index, num_microbatches)

@@ -35,7 +35,8 @@ from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_no
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError, PartitionError
 from lightning_pipe.faults import report_job_error
-from lightning_pipe.lightning import grads, logs, state
+from lightning_pipe import gradients as grads
+from lightning_pipe.lightning import logs, state
 from lightning_pipe.lightning.body import PipelinedBody, find_body, set_submodule
 from lightning_pipe.lightning.steps import FirstStage, loss_of, merge_outputs
 from lightning_pipe.microbatch import scatter
