@@ -3,22 +3,25 @@
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
 from lightning_pipe.errors import (
+    BodyCallError,
     ConfigurationError,
     PartitionError,
     PipelineAbortedError,
     PipelineError,
     PipelineStepError,
     ScheduleError,
+    SideEffectError,
 )
 from lightning_pipe.microbatch import NoChunk
 from lightning_pipe.partition import SequentialModel, balance_by_layers, balance_by_parameters, partition
 from lightning_pipe.pipeline import GPipe, PipeDream, Pipeline
-from lightning_pipe.strategy import PipeStrategy
+from lightning_pipe.lightning.strategy import PipeStrategy
 from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f1b", "pipe_gpipe"
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BodyCallError",
     "ConfigurationError",
     "DeferredBatchNorm",
     "GPipe",
@@ -32,6 +35,7 @@ __all__ = [
     "PipelineStepError",
     "ScheduleError",
     "SequentialModel",
+    "SideEffectError",
     "balance_by_layers",
     "balance_by_parameters",
     "is_checkpointing",

@@ -27,3 +27,11 @@ class PipelineStepError(PipelineError, RuntimeError):
 
 class PipelineAbortedError(PipelineError, RuntimeError):
     """Another rank of the pipeline failed (or died), so this rank stopped its step too."""
+
+
+class BodyCallError(ConfigurationError):
+    """The user's step called the pipelined body in a way the pipeline cannot reproduce."""
+
+
+class SideEffectError(PipelineError, RuntimeError):
+    """The user's step changed state that, under pipelining, it would change more than once per batch."""

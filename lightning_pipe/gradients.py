@@ -1,14 +1,14 @@
-"""Gradient bookkeeping around the pipeline: set aside, sum tied copies, average replicas, clip.
+"""Gradient bookkeeping around the pipeline: set aside, scale, average replicas, clip.
 
 Written by hand because Lightning's hooks assume one process holds the whole model: its
 precision plugin clips by the local norm, and DDP would all-reduce over the world. Here the norm
-is reduced over the pipeline's stages, tied parameters are summed over the stages that use them,
+is reduced over the pipeline's stages (tied parameters, summed in :mod:`lightning_pipe.ties`, count once),
 and each stage's gradients are averaged over its replicas only.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
+from typing import Dict, Iterable, List, Mapping, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -34,12 +34,11 @@ def add_grads(grads: Mapping[nn.Parameter, Optional[torch.Tensor]]) -> None:
             p.grad = g if p.grad is None else p.grad + g
 
 
-def sum_tied(parameters: Sequence[nn.Parameter], group) -> None:
-    """Sum the gradients of parameters that several stages use; every copy gets the sum."""
-    for p in parameters:
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(grad, group=group)
-        p.grad = grad
+def scale_grads(grads: Mapping[nn.Parameter, Optional[torch.Tensor]], factor: float) -> None:
+    """Multiply gradients set aside by :func:`take_grads` by ``factor``, in place."""
+    for g in grads.values():
+        if g is not None:
+            g.mul_(factor)
 
 
 def average(parameters: Iterable[nn.Parameter], group, size: int) -> None:

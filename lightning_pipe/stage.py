@@ -59,6 +59,7 @@ class Stage:
         self.checkpoint = checkpoint
         self.device = device
         self.step_seed: Optional[int] = None
+        self.microbatch_index = 0  # of the forward running or last run
         self.meter = ActivationMeter(module.parameters())
         self._pending: Dict[int, _Pending] = {}
 
@@ -96,6 +97,7 @@ class Stage:
         the backward starts from ``loss_fn(microbatch_index, outputs)`` instead of the outputs.
         """
         skips = skips or {}
+        self.microbatch_index = microbatch_index
         if self.step_seed is not None:
             rng.seed_torch(rng.derive(self.step_seed, microbatch_index, self.stage_index), self.device)
         tracker = SkipTracker(skips)

@@ -1,10 +1,16 @@
-"""Finding a LightningModule's sequential body and standing in for it on each stage.
+"""Finding a LightningModule's body, and the stand-in that replaces it on each stage.
 
-The body is the one ``nn.Sequential`` attribute of the LightningModule that gets pipelined. On
-every rank it is replaced by a :class:`PipelinedBody` that holds only the local stage's layers,
-under their original names (so ``state_dict`` keys stay those of the unpartitioned model). What a
-call to the body does depends on where the step is: run the local layers, stop the user's step on
-the first stage once the body is reached, or return the output that the pipeline computed.
+A body is an ordered list of layers with a calling convention. Two kinds exist: an
+``nn.Sequential`` (called once, each layer's output feeding the next) and an ``nn.ModuleList`` of
+blocks that the user's own loop calls with the same extra arguments (see
+:mod:`lightning_pipe.lightning.layer_list`). On every rank the body is replaced by a stand-in that
+holds only the local stage's layers, under their original names (so ``state_dict`` keys stay those
+of the unpartitioned model). What calling the stand-in does depends on where the step is:
+
+- ``"local"``: run the local layers (one stage holds them all);
+- ``"stop"``: run the local layers and stop the user's step with :class:`BodyReached` (first stage);
+- ``"replace"``: return the output the pipeline computed, whatever the input (last stage);
+- ``"released"``: refuse to run (after ``fit`` without gathering the whole model).
 """
 
 from __future__ import annotations
@@ -15,58 +21,66 @@ from typing import List, Optional, Tuple
 from torch import nn
 
 from lightning_pipe.checkpoint import checkpointed
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.errors import BodyCallError, ConfigurationError
 from lightning_pipe.partition import SequentialModel
 from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
-
-def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Sequential]:
-    path, found = _find(module, body)
-    if isinstance(found, PipelinedBody):
-        raise ConfigurationError(
-            f"`{path}` holds only stage {found.stage_index} of a body split by an earlier PipeStrategy run with "
-            "gather_full_model=False; build the module anew or load it from a checkpoint"
-        )
-    return path, found
+BODY_KINDS = (nn.Sequential, nn.ModuleList)
 
 
-def _find(module: nn.Module, body: Optional[str]) -> Tuple[str, nn.Sequential]:
-    """Return ``(attribute path, module)`` of the body: ``body`` if given, else the only candidate.
+def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Module]:
+    """Return ``(attribute path, module)`` of the body: ``body`` if given, else the one candidate.
 
-    Candidates are the ``nn.Sequential`` submodules not nested inside another ``nn.Sequential``.
+    Candidates are the ``nn.Sequential`` and ``nn.ModuleList`` submodules not nested in another
+    candidate. With several, the one holding more than half of the module's parameters is the body.
 
     Raises:
-        ConfigurationError: the named body is not an ``nn.Sequential``, or there is none or several.
+        ConfigurationError: the named body is not a Sequential/ModuleList, or no single candidate.
     """
     if body is not None:
         try:
             found = module.get_submodule(body)
         except AttributeError as exc:
             raise ConfigurationError(f"PipeStrategy(body={body!r}): {type(module).__name__} has no submodule {body!r}") from exc
-        if not isinstance(found, nn.Sequential):
+        _refuse_released(body, found)
+        if not isinstance(found, BODY_KINDS):
             raise ConfigurationError(
                 f"PipeStrategy(body={body!r}) names a {type(found).__name__}; the body must be an nn.Sequential "
-                "(or lightning_pipe.SequentialModel) whose children are the layers to split"
+                "(or lightning_pipe.SequentialModel) or an nn.ModuleList whose children are the layers to split"
             )
         return body, found
     candidates = _candidates(module)
+    for name in candidates:
+        _refuse_released(name, module.get_submodule(name))
     if len(candidates) == 1:
         return candidates[0], module.get_submodule(candidates[0])
     if not candidates:
         raise ConfigurationError(
-            f"{type(module).__name__} has no nn.Sequential attribute to pipeline. Put the layers to split into an "
-            "nn.Sequential (e.g. `self.body = nn.Sequential(...)`) and call it from training_step"
+            f"{type(module).__name__} has no nn.Sequential or nn.ModuleList attribute to pipeline. Put the layers to "
+            "split into one (e.g. `self.blocks = nn.ModuleList(...)` called in a loop) and call it from training_step"
         )
+    total = sum(p.numel() for p in module.parameters())
+    largest = max(candidates, key=lambda n: sum(p.numel() for p in module.get_submodule(n).parameters()))
+    if 2 * sum(p.numel() for p in module.get_submodule(largest).parameters()) > total:
+        return largest, module.get_submodule(largest)
     raise ConfigurationError(
-        f"{type(module).__name__} has several nn.Sequential attributes: {candidates}. Name the one to pipeline "
-        f"with PipeStrategy(body=...), e.g. PipeStrategy(body={candidates[0]!r})"
+        f"{type(module).__name__} has several bodies to choose from: {candidates}, none holding most of the "
+        f"parameters. Name the one to pipeline with PipeStrategy(body=...), e.g. PipeStrategy(body={candidates[0]!r})"
     )
+
+
+def _refuse_released(path: str, found: nn.Module) -> None:
+    if isinstance(found, StandIn):
+        raise ConfigurationError(
+            f"`{path}` holds only stage {found.stage_index} of a body split by an earlier PipeStrategy run with "
+            "gather_full_model=False; build the module anew or load it from a checkpoint"
+        )
 
 
 def _candidates(module: nn.Module) -> List[str]:
     found = []
     for name, child in module.named_modules():
-        if not name or not isinstance(child, nn.Sequential):
+        if not name or not isinstance(child, BODY_KINDS) and not isinstance(child, StandIn):
             continue
         if any(name.startswith(outer + ".") for outer in found):
             continue
@@ -88,25 +102,62 @@ class BodyReached(Exception):
         self.outputs = outputs
 
 
-class PipelinedBody(nn.Sequential):
-    """This stage's layers of the body, called from the user's unchanged step.
+class StandIn:
+    """What both kinds of body share on a stage (a mixin of an ``nn.Module``): mode, replacement, checks.
 
-    Modes: ``"local"`` runs the local layers; ``"stop"`` runs them and raises
-    :class:`BodyReached` with the result (first stage); ``"replace"`` ignores its input and
-    returns ``replacement`` (last stage: the output the pipeline computed); ``"released"`` refuses
-    to run (after ``fit`` without gathering the whole model). With
-    ``checkpoint_layers`` set, the local layers run under activation checkpointing: on the first
-    stage only the layers are recomputed, never the user's code around the body call.
+    Subclasses hold the local layers under their original names and implement the body's own
+    calling convention; :meth:`begin_step` and :meth:`end_step` bracket each run of the user's step.
     """
 
-    def __init__(self, layers: "OrderedDict[str, nn.Module]", multi_value: bool, stage_index: int, num_stages: int) -> None:
-        super().__init__(layers)
-        self.multi_value = multi_value
+    def init_stand_in(self, stage_index: int, num_stages: int) -> None:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.mode = "local"
         self.replacement: Optional[tuple] = None
         self.checkpoint_layers = False
+        self.calls = 0
+
+    def begin_step(self, mode: str, replacement: Optional[tuple] = None, checkpoint_layers: bool = False) -> None:
+        self.mode, self.replacement, self.checkpoint_layers, self.calls = mode, replacement, checkpoint_layers, 0
+
+    def end_step(self, hook: str, path: str) -> None:
+        """Check how the user's step called the body; back to ``"local"``."""
+        mode, calls = self.mode, self.calls
+        self.begin_step("local")
+        if mode == "replace" and calls != 1:
+            raise BodyCallError(
+                f"{hook} called the body `self.{path}` {calls} times in one step; under PipeStrategy it must be called "
+                "exactly once (concatenate several inputs along the batch dimension and call it once)"
+            )
+
+    def refuse_if_released(self) -> None:
+        if self.mode == "released":
+            raise ConfigurationError(
+                f"this body was trained under PipeStrategy(gather_full_model=False) and this process holds only "
+                f"stage {self.stage_index} of {self.num_stages}; load the whole model from a checkpoint "
+                "(Module.load_from_checkpoint) or train with gather_full_model=True"
+            )
+
+    def run_checkpointed(self, function, *inputs):
+        """``function(*inputs)`` under activation checkpointing when asked (first stage only)."""
+        if not self.checkpoint_layers:
+            return function(*inputs)
+        tracker = current_tracker()  # the recomputation runs later, in backward: bind it again then
+
+        def run(*args):
+            with use_tracker(tracker):
+                return function(*args)
+
+        return checkpointed(run, *inputs)
+
+
+class PipelinedSequential(StandIn, nn.Sequential):
+    """This stage's layers of an ``nn.Sequential`` body, called once from the user's unchanged step."""
+
+    def __init__(self, layers: "OrderedDict[str, nn.Module]", multi_value: bool, stage_index: int, num_stages: int) -> None:
+        nn.Sequential.__init__(self, layers)
+        self.init_stand_in(stage_index, num_stages)
+        self.multi_value = multi_value
 
     def run_layers(self, *inputs):
         if self.multi_value:
@@ -119,25 +170,12 @@ class PipelinedBody(nn.Sequential):
         return nn.Sequential.forward(self, inputs[0])
 
     def forward(self, *inputs):
-        if self.mode == "released":
-            raise ConfigurationError(
-                f"this body was trained under PipeStrategy(gather_full_model=False) and this process holds only "
-                f"stage {self.stage_index} of {self.num_stages}; load the whole model from a checkpoint "
-                "(Module.load_from_checkpoint) or train with gather_full_model=True"
-            )
+        self.refuse_if_released()
+        self.calls += 1
         if self.mode == "replace":
             outputs = self.replacement
             return outputs[0] if len(outputs) == 1 else outputs
-        if self.checkpoint_layers:
-            tracker = current_tracker()  # the recomputation runs later, in backward: bind it again then
-
-            def run(*args):
-                with use_tracker(tracker):
-                    return self.run_layers(*args)
-
-            outputs = checkpointed(run, *inputs)
-        else:
-            outputs = self.run_layers(*inputs)
+        outputs = self.run_checkpointed(self.run_layers, *inputs)
         if self.mode == "stop":
             raise BodyReached(outputs if isinstance(outputs, tuple) else (outputs,))
         return outputs

@@ -14,8 +14,9 @@ everywhere and syncs over the data-parallel group, never over ranks that did not
 from __future__ import annotations
 
 import inspect
+import re
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -69,6 +70,11 @@ class LogRecorder:
         finally:
             del self.module.log
 
+    @property
+    def calls(self) -> List[List[Dict[str, Any]]]:
+        """The calls recorded so far, per microbatch."""
+        return self._calls
+
     def start_microbatch(self) -> None:
         if not is_recomputing():
             self._calls.append([])
@@ -84,15 +90,28 @@ class LogRecorder:
             call["value"] = ("metric", self._metric_paths[id(value)], _detach(value._forward_cache))
         else:
             call["value"] = _detach(value)
+            call["source"] = value  # until mark_loss: is this the loss the step returns?
         self._calls[-1].append(call)
 
-    def fold(self, sizes: Sequence[int]) -> List[Dict[str, Any]]:
-        """One call per name for the whole batch, in the order names were first logged."""
+    def mark_loss(self, loss: Optional[torch.Tensor]) -> None:
+        """Mark the current microbatch's calls that log the loss its step returned (``loss`` or its value)."""
+        for call in self._calls[-1] if self._calls else ():
+            source = call.pop("source", None)
+            call["is_loss"] = loss is not None and source is not None and _is_value_of(source, loss)
+
+    def fold(self, sizes: Sequence[int], loss_weights: Optional[Sequence[float]] = None) -> List[Dict[str, Any]]:
+        """One call per name for the whole batch, in the order names were first logged.
+
+        A name that logs the step's loss in every microbatch folds like the loss: its values
+        weighted by ``loss_weights`` (summed when those are None: a summed loss), so that it logs
+        the batch's loss as one step over the whole batch would. Other names fold with their
+        ``reduce_fx``, a mean weighted by microbatch size (or by the ``batch_size`` they log with).
+        """
         by_name: Dict[str, List[Tuple[int, Dict[str, Any]]]] = {}
-        for size, calls in zip(sizes, self._calls):
+        for i, (size, calls) in enumerate(zip(sizes, self._calls)):
             for call in calls:
-                by_name.setdefault(call["name"], []).append((size, call))
-        return [_fold_one(entries) for entries in by_name.values()]
+                by_name.setdefault(call["name"], []).append((i, size, call))
+        return [_fold_one(entries, loss_weights) for entries in by_name.values()]
 
 
 def _detach(value: Any) -> Any:
@@ -108,7 +127,7 @@ def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any) -> Any:
         return None
     # fold on the CPU in float64: the values may live on a GPU, the weights are plain numbers
     stacked = torch.stack([torch.as_tensor(v).detach().to("cpu", torch.float64) for v in values])
-    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
+    name = _name_of(reduce_fx)
     if name in _MEAN:
         weights = torch.tensor(sizes, dtype=torch.float64).reshape(-1, *([1] * (stacked.dim() - 1)))
         folded = (stacked * weights).sum(0) / weights.sum()
@@ -124,20 +143,35 @@ def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any) -> Any:
     return folded.to(first.device, first.dtype) if isinstance(first, torch.Tensor) else folded.item()
 
 
-def _fold_one(entries: List[Tuple[int, Dict[str, Any]]]) -> Dict[str, Any]:
-    sizes = [size for size, _ in entries]
-    calls = [call for _, call in entries]
-    folded = dict(calls[-1])
+def _is_value_of(source: Any, loss: torch.Tensor) -> bool:
+    if isinstance(source, torch.Tensor):
+        return source is loss or (source.numel() == 1 and source.dtype == loss.dtype
+                                  and source.device == loss.device and source.data_ptr() == loss.data_ptr())
+    return isinstance(source, (int, float)) and not isinstance(source, bool) and source == loss.item()
+
+
+def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Optional[Sequence[float]]) -> Dict[str, Any]:
+    sizes = [size for _, size, _ in entries]
+    calls = [call for _, _, call in entries]
+    folded = {k: v for k, v in calls[-1].items() if k not in ("is_loss", "source")}
     if calls[-1]["batch_size"] is not None:
         folded["batch_size"] = sum(c["batch_size"] for c in calls)
         sizes = [c["batch_size"] for c in calls]
     value = calls[-1]["value"]
+    reduce_fx = calls[-1]["reduce_fx"]
+    if all(c.get("is_loss") for c in calls) and _name_of(reduce_fx) in _MEAN:
+        reduce_fx = "sum" if loss_weights is None else "mean"
+        sizes = sizes if loss_weights is None else [loss_weights[i] for i, _, _ in entries]
     if isinstance(value, tuple) and value and value[0] == "metric":
         forward = _reduce([c["value"][2] for c in calls], sizes, "mean")
         folded["value"] = ("metric", value[1], forward)
     elif isinstance(value, (torch.Tensor, int, float)):
-        folded["value"] = _reduce([c["value"] for c in calls], sizes, calls[-1]["reduce_fx"])
+        folded["value"] = _reduce([c["value"] for c in calls], sizes, reduce_fx)
     return folded
+
+
+def _name_of(reduce_fx: Any) -> str:
+    return reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
 
 
 def metric_states(module: nn.Module, body_path: str) -> Dict[str, Dict[str, Any]]:
@@ -178,3 +212,51 @@ def replay(module: nn.Module, calls: List[Dict[str, Any]], device: torch.device)
         elif isinstance(value, dict):
             value = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
         module.log(call.pop("name"), value, **call)
+
+
+_GRAD_NORM = re.compile(r"^grad_(?P<norm>[0-9.]+|inf)_norm(?:(?P<total>_total)|.(?P<parameter>.+))$")
+
+
+def combine_stages(per_stage: Sequence[List[Dict[str, Any]]], canonical: Dict[str, str],
+                   order: Sequence[str]) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """One list of log calls from the calls every stage made in the same hook (stage order).
+
+    Lightning's ``grad_norm`` logs are made whole-model: a parameter's entry comes from the stage
+    that holds it (under its canonical name, once for tied copies) and ``grad_<p>_norm_total`` is
+    recomputed over all of them as ``grad_norm`` computes it on one device. Any other name keeps
+    its value when every stage that logged it agrees, and takes the last stage's otherwise.
+
+    Returns:
+        The calls, and the names whose stages disagreed.
+    """
+    calls: Dict[str, Dict[str, Any]] = {}
+    values: Dict[str, List[Any]] = {}
+    norms: Dict[str, Dict[str, Any]] = {}
+    totals: Dict[str, Dict[str, Any]] = {}
+    for stage_calls in per_stage:
+        for call in stage_calls:
+            call = {k: v for k, v in call.items() if k not in ("is_loss", "source")}
+            match = _GRAD_NORM.match(call["name"])
+            if match and match["total"]:
+                totals.setdefault(match["norm"], call)
+                continue
+            if match and match["parameter"] in canonical or match and match["parameter"] in order:
+                parameter = canonical.get(match["parameter"], match["parameter"])
+                call["name"] = call["name"][: len(call["name"]) - len(match["parameter"])] + parameter
+                norms.setdefault(match["norm"], {})[parameter] = call["value"]
+            calls[call["name"]] = call  # the last stage's call wins
+            values.setdefault(call["name"], []).append(call["value"])
+    disagree = [name for name, vs in values.items() if any(not _equal(v, vs[0]) for v in vs[1:])]
+    for norm, call in totals.items():
+        by_parameter = norms.get(norm, {})
+        entries = [by_parameter[n] for n in order if n in by_parameter]
+        call = dict(call)
+        call["value"] = torch.tensor([float(v) for v in entries]).norm(float(norm)) if entries else call["value"]
+        calls[call["name"]] = call
+    return list(calls.values()), disagree
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu())
+    return a == b

@@ -9,9 +9,11 @@ any number of stages.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -24,11 +26,11 @@ def _cpu(value: Any) -> Any:
     return value
 
 
-def parameter_names(module: nn.Module) -> Dict[int, str]:
-    """``id(parameter) -> name`` (the first name of a parameter that is registered twice)."""
+def parameter_names(module: nn.Module, canonical: Callable[[str], str] = lambda name: name) -> Dict[int, str]:
+    """``id(parameter) -> canonical name`` (the first name of a parameter that is registered twice)."""
     names: Dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
+        names.setdefault(id(p), canonical(name))
     return names
 
 
@@ -108,10 +110,72 @@ def module_contribution(module: nn.Module, owned: set) -> Dict[str, torch.Tensor
     return {k: v.detach().cpu() for k, v in module.state_dict().items() if k in owned}
 
 
-def owner_of_key(key: str, parameter_owner: Mapping[str, int], default: int = 0) -> int:
-    """The stage that holds the authoritative value of a non-body state_dict entry."""
-    if key in parameter_owner:
-        return parameter_owner[key]
-    module_path = key.rpartition(".")[0]
-    owners = [stage for name, stage in parameter_owner.items() if name.rpartition(".")[0] == module_path]
-    return min(owners) if owners else default
+class Checkpoints:
+    """Whole-model checkpoints of a split model: gathered into global rank 0, loaded by each stage.
+
+    Every method is called on every rank (the gathers are collectives over the world and the
+    pipeline); only global rank 0 gets the whole state. Replica 0 of each stage contributes.
+
+    Args:
+        split: the split model (names, owners, aliases).
+        module: the LightningModule.
+        pp_group: the pipeline's process group.
+        num_stages: its size.
+        dp_rank: this rank's replica.
+    """
+
+    def __init__(self, split: Any, module: nn.Module, pp_group: Any, num_stages: int, dp_rank: int) -> None:
+        self.split = split
+        self.module = module
+        self.pp_group = pp_group
+        self.num_stages = num_stages
+        self.dp_rank = dp_rank
+        self.layouts: List[List[List[str]]] = []
+
+    def _names(self) -> Dict[int, str]:
+        return parameter_names(self.module, self.split.canonical)
+
+    def record_layouts(self, optimizers: Sequence[Optimizer]) -> None:
+        """Each optimizer's param groups over all stages, by canonical name (a collective)."""
+        names = self._names()
+        self.layouts = []
+        for optimizer in optimizers:
+            per_stage: List[Any] = [None] * self.num_stages
+            dist.all_gather_object(per_stage, group_names(optimizer, names), group=self.pp_group)
+            self.layouts.append(full_layout(per_stage, self.split.parameter_order))
+
+    def _gather_to_zero(self, contribution: Any) -> Optional[list]:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(contribution if self.dp_rank == 0 else None, gathered, dst=0)
+        return [c for c in gathered if c is not None] if gathered is not None else None
+
+    def module_state(self) -> Dict[str, torch.Tensor]:
+        """The unsplit module's ``state_dict`` on global rank 0 (empty elsewhere)."""
+        state = self.module.state_dict()
+        parts = self._gather_to_zero(module_contribution(self.module, self.split.owned_keys(list(state))))
+        if parts is None:
+            return {}
+        merged: Dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        for alias, key in self.split.key_aliases.items():  # one tensor under both names: saved once
+            if key in merged:
+                merged[alias] = merged[key]
+        return OrderedDict((k, merged[k]) for k in self.split.key_order if k in merged)
+
+    def optimizer_state(self, optimizer: Optimizer, index: int) -> Dict[str, Any]:
+        """The unsplit model's ``optimizer.state_dict()`` on global rank 0 (empty elsewhere)."""
+        names = self._names()
+        owned = {names[id(p)] for group in optimizer.param_groups for p in group["params"]
+                 if self.split.counts_in_norm(names[id(p)])}
+        parts = self._gather_to_zero(optimizer_contribution(optimizer, names, owned))
+        return assemble_optimizer(parts, self.layouts[index]) if parts is not None else {}
+
+    def load_module_state(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
+        local = set(self.module.state_dict())
+        self.module.load_state_dict({k: v for k, v in state_dict.items() if k in local}, strict=strict)
+
+    def load_optimizer_states(self, optimizers: Sequence[Optimizer], saved: Sequence[Mapping[str, Any]]) -> None:
+        names = self._names()
+        for optimizer, layout, state in zip(optimizers, self.layouts, saved):
+            optimizer.load_state_dict(localize_optimizer(state, layout, optimizer, names))

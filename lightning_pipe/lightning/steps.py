@@ -1,69 +1,144 @@
-"""The user's step, cut where the body is called: what the first stage runs, and its results."""
+"""The user's step, cut where the body is called: the first stage's part and the last stage's rerun.
+
+The first stage runs the user's step on each microbatch until the body is called, then runs its
+own layers and stops (:class:`FirstStage`). The last stage runs the whole step again with the body
+call answered by the pipeline's output, and its result becomes the microbatch's loss. Both runs of
+microbatch ``i`` start from the same random state (``rng.derive(step seed, i, rng.USER_STEP)``),
+so whatever the step draws before the body (noise, masks, mixing weights) is drawn alike.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
+from lightning_pipe import rng
 from lightning_pipe.checkpoint import should_checkpoint
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.lightning.body import BodyReached
-from lightning_pipe.microbatch import gather
+from lightning_pipe.lightning.body import BodyReached, StandIn
+from lightning_pipe.lightning.effects import StepEffects
+from lightning_pipe.lightning.logs import LogRecorder
+from lightning_pipe.lightning.losses import LossAccount, loss_of, merge
 
-if TYPE_CHECKING:
-    from lightning_pipe.strategy import PipeStrategy
 
+class StepRunner:
+    """Runs the user's step for one microbatch, wherever the step runs.
 
-def loss_of(output: Any, hook: str) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, torch.Tensor):
-        raise ConfigurationError(
-            f"under PipeStrategy, {hook} must return the loss (a tensor, or a dict with 'loss') for every "
-            f"microbatch, got {type(output).__name__}; skipping a batch by returning None is not supported"
-        )
-    return loss
+    Args:
+        module: the LightningModule.
+        stand_in: the body's stand-in in ``module``.
+        body_path: the body's attribute path (for messages).
+        recorder: catches the step's ``self.log`` calls.
+        effects: watches what the step changes.
+        checkpoint: the activation checkpoint mode (the first stage applies it to its layers).
+        loss_reduction: ``"mean"`` or ``"sum"`` (see :class:`LossAccount`).
+    """
+
+    def __init__(self, module: nn.Module, stand_in: StandIn, body_path: str, recorder: LogRecorder,
+                 effects: StepEffects, checkpoint: str, loss_reduction: str) -> None:
+        self.module = module
+        self.stand_in = stand_in
+        self.body_path = body_path
+        self.recorder = recorder
+        self.effects = effects
+        self.checkpoint = checkpoint
+        self.loss_reduction = loss_reduction
+        self.hook = "training_step"
+        self.hook_args: tuple = ()
+        self.pipeline: Any = None
+        self.account: Optional[LossAccount] = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.stand_in.stage_index == self.stand_in.num_stages - 1
+
+    def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
+        """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
+        self.hook, self.hook_args, self.pipeline, self.account = hook, hook_args, pipeline, None
+
+    def _account(self) -> LossAccount:
+        if self.account is None:
+            self.account = LossAccount(self.pipeline.last_sizes, self.loss_reduction)
+        return self.account
+
+    def run(self, i: int, batch: Any, mode: str, replacement: Optional[tuple] = None,
+            checkpoint_layers: bool = False) -> Any:
+        """Run the user's step on microbatch ``i`` with the body in ``mode``; BodyReached passes through."""
+        self.pipeline.reseed(i, rng.USER_STEP)
+        self.recorder.start_microbatch()
+        snapshot = self.effects.before(self.hook)
+        self.stand_in.begin_step(mode, replacement, checkpoint_layers)
+        try:
+            output = getattr(self.module, self.hook)(batch, *self.hook_args)
+        except BodyReached:
+            self.stand_in.begin_step("local")
+            self.recorder.mark_loss(None)
+            self.effects.after(self.hook, snapshot, last_stage=False)
+            raise
+        except BaseException:
+            self.stand_in.begin_step("local")
+            raise
+        self.stand_in.end_step(self.hook, self.body_path)
+        self.effects.after(self.hook, snapshot, last_stage=True)
+        return output
+
+    def loss(self, i: int, output: Any) -> torch.Tensor:
+        """What to backpropagate for microbatch ``i``'s training-step result, and note it."""
+        loss = loss_of(output, self.hook)
+        self.recorder.mark_loss(loss)
+        return self._account().add(i, loss, output)
+
+    def note(self, i: int, output: Any) -> Any:
+        """Note an evaluation step's result (its loss, if any, tells how its logged loss folds)."""
+        loss = loss_of(output, self.hook, required=False) if self.hook != "predict_step" else None
+        loss = loss if loss is not None and loss.numel() == 1 else None
+        self.recorder.mark_loss(loss)
+        if loss is not None:
+            self._account().add(i, loss, output)
+        return output
+
+    def criterion(self, *outputs_and_batch: Any) -> torch.Tensor:
+        """The last stage's criterion: the user's step with the body's output put in."""
+        *outputs, batch = outputs_and_batch
+        i = self.pipeline.stage.microbatch_index
+        return self.loss(i, self.run(i, batch, "replace", tuple(outputs)))
+
+    def folded_logs(self, sizes: Sequence[int]) -> list:
+        account = self.account
+        return self.recorder.fold(sizes, account.log_weights() if account is not None else list(sizes))
+
+    def first_stage(self) -> "FirstStage":
+        return FirstStage(self)
 
 
 class FirstStage(nn.Module):
     """The first stage's module: the user's step up to (and through) the local part of the body."""
 
-    def __init__(self, strategy: "PipeStrategy", module: nn.Module) -> None:
+    def __init__(self, runner: StepRunner) -> None:
         super().__init__()
-        self.module = module  # registered so its parameters are not counted as activations
-        self.__dict__["strategy"] = strategy  # not a submodule
+        self.module = runner.module  # registered so its parameters are not counted as activations
+        self.__dict__["runner"] = runner  # not a submodule
 
     def forward(self, batch: Any):
-        strategy = self.strategy
-        body = strategy._body
-        last = body.num_stages == 1
-        index = strategy._first_stage_calls
-        strategy._first_stage_calls += 1
-        strategy._recorder.start_microbatch()
-        body.mode = "local" if last else "stop"
-        body.checkpoint_layers = torch.is_grad_enabled() and should_checkpoint(
-            strategy.checkpoint, index, len(strategy._pipeline.last_sizes)
-        )
+        runner = self.runner
+        pipeline = runner.pipeline
+        i = pipeline.stage.microbatch_index
+        alone = runner.stand_in.num_stages == 1
+        checkpoint_layers = torch.is_grad_enabled() and should_checkpoint(runner.checkpoint, i, len(pipeline.last_sizes))
         try:
-            output = getattr(self.module, strategy._hook)(batch, *strategy._hook_args)
+            output = runner.run(i, batch, "local" if alone else "stop", checkpoint_layers=checkpoint_layers)
         except BodyReached as reached:
             return reached.outputs
-        finally:
-            body.mode = "local"
-            body.checkpoint_layers = False
-        if not last:
+        if not alone:
             raise ConfigurationError(
-                f"{strategy._hook} returned without calling the body `self.{strategy._body_path}`; "
+                f"{runner.hook} returned without calling the body `self.{runner.body_path}`; "
                 "under PipeStrategy every step must call it once"
             )
-        return loss_of(output, strategy._hook) if strategy._hook == "training_step" else (output,)
+        return runner.loss(i, output) if runner.hook == "training_step" else (runner.note(i, output),)
 
 
-def merge_outputs(results: Sequence[Any]) -> Any:
-    if all(r is None for r in results):
-        return None
-    try:
-        return gather(list(results))
-    except Exception:  # outputs that do not concatenate (strings, ragged lists) stay per microbatch
-        return list(results)
+def outputs_of(results: Sequence[Any], account: Optional[LossAccount], sizes: Sequence[int]) -> Any:
+    """An evaluation step's merged result over the microbatches (what ``on_*_batch_end`` receives)."""
+    return merge(list(results), account.log_weights() if account is not None else list(sizes))

@@ -1,0 +1,126 @@
+"""What a user's step changes besides its result: state other stages need, and side effects to refuse.
+
+Under PipeStrategy the user's step runs once per microbatch: up to the body on the first stage,
+and whole on the last one. Two consequences are handled here.
+
+- **State built in the step** (``self.val_scores.append(...)`` after the body call) exists only on
+  the last stage. :class:`StepEffects` notes which attributes of the LightningModule the last
+  stage's step runs assign or grow, and :meth:`StepEffects.shared_state` hands them to the other
+  stages at epoch end, so epoch-end hooks compute the same thing on every rank, as under DDP.
+- **Side effects** that would happen once per microbatch instead of once per batch: a parameter
+  changed in place by the step (an EMA teacher updated in ``training_step``), or a buffer
+  registered on the LightningModule itself changed in place (a queue, its pointer), raise
+  :class:`~lightning_pipe.errors.SideEffectError`; a number attribute changed by the step (a
+  counter) gets a one-time warning. Buffers of submodules (BatchNorm statistics and the like) are
+  updated by their own forward, once per microbatch, as the body's are. These checks run on the
+  first step of each kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_pipe.errors import SideEffectError
+
+_OWN = {"log"}  # instance attributes lightning_pipe itself puts on the module while a step runs
+_baseline: Optional[Set[str]] = None
+
+
+def _lightning_attributes() -> Set[str]:
+    """The instance attributes a LightningModule has before the user adds any."""
+    global _baseline
+    if _baseline is None:
+        _baseline = set(vars(LightningModule()))
+    return _baseline
+
+
+def user_attributes(module: nn.Module) -> Iterator[Tuple[str, Any]]:
+    baseline = _lightning_attributes()
+    for name, value in vars(module).items():
+        if name not in baseline and name not in _OWN and not isinstance(value, nn.Module):
+            yield name, value
+
+
+def _fingerprint(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    if isinstance(value, (list, dict, set, tuple)) or hasattr(value, "__len__") and hasattr(value, "append"):
+        return (type(value), id(value), len(value))
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    return id(value)
+
+
+class Snapshot:
+    """The state before one run of the user's step."""
+
+    def __init__(self, effects: "StepEffects", check: bool) -> None:
+        module = effects.module
+        self.attributes = {name: _fingerprint(value) for name, value in user_attributes(module)}
+        self.versions = [(n, p._version) for n, p in effects.watched()] if check else None
+
+
+class StepEffects:
+    """Watches the runs of the user's step on this stage.
+
+    Args:
+        module: the LightningModule.
+        num_microbatches: microbatches per batch (side effects matter only above one).
+    """
+
+    def __init__(self, module: nn.Module, num_microbatches: int) -> None:
+        self.module = module
+        self.num_microbatches = num_microbatches
+        self.built: Set[str] = set()
+        self._checked: Set[str] = set()
+        self._warned: Set[str] = set()
+
+    def watched(self) -> List[Tuple[str, torch.Tensor]]:
+        """Every parameter, and the buffers registered on the LightningModule itself."""
+        return list(self.module.named_parameters(remove_duplicate=False)) + list(self.module._buffers.items())
+
+    def before(self, hook: str) -> Snapshot:
+        return Snapshot(self, check=hook not in self._checked and self.num_microbatches > 1)
+
+    def after(self, hook: str, snapshot: Snapshot, last_stage: bool) -> None:
+        """Note what the run changed; refuse or warn about side effects (first run of ``hook`` only)."""
+        changed = [name for name, value in user_attributes(self.module)
+                   if snapshot.attributes.get(name, _MISSING) != _fingerprint(value)]
+        if last_stage:
+            self.built.update(changed)
+        if snapshot.versions is None:
+            return
+        self._checked.add(hook)
+        now = dict(self.watched())
+        touched = [name for name, version in snapshot.versions if now[name]._version != version]
+        if touched:
+            raise SideEffectError(
+                f"{hook} changed {touched} in place. Under PipeStrategy the code before the body call runs once per "
+                f"microbatch ({self.num_microbatches} per batch) on the first and the last stage, so this update would "
+                "happen once per microbatch instead of once per batch. Move it to a hook that runs once per batch on "
+                "every rank, e.g. on_train_batch_end or on_before_optimizer_step"
+            )
+        counters = [n for n in changed if isinstance(getattr(self.module, n), (int, float)) and n not in self._warned]
+        if counters:
+            self._warned.update(counters)
+            rank_zero_warn(
+                f"{hook} changed `self.{', self.'.join(counters)}`: under PipeStrategy the step runs once per microbatch "
+                f"({self.num_microbatches} per batch), so a counter grows {self.num_microbatches} times per batch (one "
+                "that adds the batch size still sums to it). Count in on_train_batch_end to count batches"
+            )
+
+    def shared_state(self) -> Dict[str, Any]:
+        """The attributes the last stage's step built, to give to the other stages."""
+        return {name: getattr(self.module, name) for name in sorted(self.built) if hasattr(self.module, name)}
+
+    def load_shared_state(self, state: Dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self.module, name, value)
+
+
+_MISSING = object()

@@ -1,0 +1,250 @@
+"""Layer-list bodies: blocks in an ``nn.ModuleList`` that the user's own loop calls.
+
+The loop stays as written (``for i, block in enumerate(self.layers[:n]): x = block(x, cos, sin,
+mask=mask)``): the stand-in behaves like the list for ``len``, iteration, indexing and slicing,
+and hands out proxies of the blocks. The rule for a block call:
+
+- its first positional argument is the hidden state, the only value that changes from block to
+  block; a block returns it, or a tuple whose first element is it (what else such a tuple holds
+  stays on the block's stage: only the final block's whole return value reaches the loop);
+- every other argument is an *extra argument*, and every block gets the same ones. The user's
+  step runs once per microbatch, so extra arguments are already the microbatch's (a padding mask
+  is the microbatch's rows, a rotary table is whole): no splitting rule is needed. Tensors travel
+  with the hidden state from stage to stage (gradients come back for those that require them);
+  everything else (None, flags, numbers, the structure of tuples and dicts) travels once, as a
+  content-addressed record in the job's store, and each message carries its 64-bit id.
+
+On the first stage the first block call runs the stage's blocks and stops the step; on the last
+stage every call returns the final output and is checked against the first (same extra arguments,
+each block once, in order), so a loop that the pipeline cannot reproduce fails loudly instead of
+training something else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_pipe.errors import BodyCallError
+from lightning_pipe.lightning.body import BodyReached, StandIn
+
+Structure = Tuple[Any, tuple, tuple]  # (tree spec, non-tensor leaves, tensor slot per leaf or -1)
+
+
+def split_call(args: tuple, kwargs: dict) -> Tuple[Structure, List[torch.Tensor]]:
+    """The structure of a call's extra arguments and its distinct tensors, in order.
+
+    Example:
+        >>> mask = torch.ones(2, 2)
+        >>> structure, tensors = split_call((mask, None), {"mask": mask, "causal": True})
+        >>> len(tensors), structure[1:]
+        (1, ((None, None, None, True), (0, -1, 0, -1)))
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors: List[torch.Tensor] = []
+    slot_of: Dict[int, int] = {}
+    constants, slots = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            slot = slot_of.setdefault(id(leaf), len(tensors))
+            if slot == len(tensors):
+                tensors.append(leaf)
+            constants.append(None)
+            slots.append(slot)
+        else:
+            constants.append(leaf)
+            slots.append(-1)
+    return (spec, tuple(constants), tuple(slots)), tensors
+
+
+def join_call(structure: Structure, tensors: Sequence[torch.Tensor]) -> Tuple[tuple, dict]:
+    """The ``(args, kwargs)`` that :func:`split_call` took apart."""
+    spec, constants, slots = structure
+    leaves = [tensors[slot] if slot >= 0 else value for value, slot in zip(constants, slots)]
+    return tree_unflatten(leaves, spec)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except Exception:  # objects whose == is not a plain bool
+        return False
+
+
+class CallChannel:
+    """Call structures by content id, through the job's key-value store (written once each)."""
+
+    def __init__(self, store: Optional[dist.Store]) -> None:
+        self.store = store
+        self._by_key: Dict[int, Structure] = {}
+        self._last: Optional[Tuple[Structure, int]] = None
+
+    def publish(self, structure: Structure) -> int:
+        if self._last is not None and _same_structure(self._last[0], structure):
+            return self._last[1]
+        try:
+            data = pickle.dumps(structure)
+        except Exception as exc:
+            raise BodyCallError(
+                f"the blocks' extra arguments hold a value that cannot be sent to other stages ({exc}); pass "
+                "tensors, numbers, strings, None or tuples/dicts of them"
+            ) from exc
+        key = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+        if key not in self._by_key and self.store is not None:
+            self.store.set(f"{key:x}", data)
+        self._by_key[key] = structure
+        self._last = (structure, key)
+        return key
+
+    def lookup(self, key: int) -> Structure:
+        if key not in self._by_key:
+            self._by_key[key] = pickle.loads(self.store.get(f"{key:x}"))
+        return self._by_key[key]
+
+
+def _same_structure(a: Structure, b: Structure) -> bool:
+    return a[0] == b[0] and a[2] == b[2] and all(_same(x, y) for x, y in zip(a[1], b[1]))
+
+
+class BlockProxy:
+    """What the loop gets for block ``index``: calling it goes through the stand-in; attributes are the block's."""
+
+    __slots__ = ("_owner", "_index")
+
+    def __init__(self, owner: "PipelinedLayerList", index: int) -> None:
+        self._owner = owner
+        self._index = index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._owner.call_block(self._index, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._owner.blocks[self._index], name)
+
+    def __repr__(self) -> str:
+        return f"BlockProxy({self._index}: {type(self._owner.blocks[self._index]).__name__})"
+
+
+class PipelinedLayerList(StandIn, nn.Module):
+    """This stage's blocks of a layer-list body, in a stand-in the user's loop iterates as the list.
+
+    Args:
+        blocks: every block of the list, in order (only ``blocks[start:stop]`` are registered here).
+        start: the first local block.
+        stop: one past the last local block.
+        stage_index: this stage.
+        num_stages: the number of stages.
+        channel: where call structures are published and looked up.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], start: int, stop: int, stage_index: int, num_stages: int,
+                 channel: CallChannel) -> None:
+        nn.Module.__init__(self)
+        self.init_stand_in(stage_index, num_stages)
+        for i in range(start, stop):
+            self.add_module(str(i), blocks[i])
+        self.__dict__["blocks"] = list(blocks)  # not registered: proxies read the attributes of other stages' blocks
+        self.start, self.stop, self.length = start, stop, len(blocks)
+        self.channel = channel
+        self._seen: List[Tuple[int, Structure, List[torch.Tensor]]] = []
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        return (BlockProxy(self, i) for i in range(self.length))
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [BlockProxy(self, i) for i in range(self.length)[index]]
+        if not -self.length <= index < self.length:
+            raise IndexError(f"index {index} is out of range for a list of {self.length} blocks")
+        return BlockProxy(self, index % self.length)
+
+    def begin_step(self, mode: str, replacement: Optional[tuple] = None, checkpoint_layers: bool = False) -> None:
+        super().begin_step(mode, replacement, checkpoint_layers)
+        self._seen = []
+
+    def end_step(self, hook: str, path: str) -> None:
+        mode, seen = self.mode, self._seen
+        self.begin_step("local")
+        if mode != "replace":
+            return
+        order = [index for index, _, _ in seen]
+        if order != list(range(self.length)):
+            raise BodyCallError(
+                f"{hook} called the blocks of `self.{path}` in the order {order}; under PipeStrategy the loop must call "
+                f"every block once, in order (0..{self.length - 1}), in one pass"
+            )
+        _, first, tensors = seen[0]
+        for index, structure, others in seen[1:]:
+            if not (_same_structure(first, structure) and len(tensors) == len(others)
+                    and all(a is b for a, b in zip(tensors, others))):
+                raise BodyCallError(
+                    f"{hook} called block {index} of `self.{path}` with other extra arguments than block 0; under "
+                    "PipeStrategy every block gets the same ones (only the hidden state, the first argument, changes)"
+                )
+
+    def call_block(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """One call of the user's loop."""
+        self.refuse_if_released()
+        if self.mode == "local":
+            return self.blocks[index](*args, **kwargs)
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise BodyCallError(
+                f"block {index} was called without a tensor as its first positional argument; under PipeStrategy "
+                "the hidden state is the first positional argument of every block call"
+            )
+        structure, tensors = split_call(args[1:], kwargs)
+        if self.mode == "replace":
+            self._seen.append((index, structure, tensors))
+            return self.replacement[0]
+        if index != 0:
+            raise BodyCallError(f"the loop's first block call went to block {index}; it must start at block 0")
+        key = self.channel.publish(structure)
+        hidden = self.run_checkpointed(lambda h: self.run_blocks(h, args[1:], kwargs), args[0])
+        raise BodyReached((hidden, *tensors, torch.tensor([key], dtype=torch.int64, device=hidden.device)))
+
+    def run_blocks(self, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """The local blocks on ``hidden``; the final block's whole return value if it is local."""
+        for i in range(self.start, self.stop):
+            out = self.blocks[i](hidden, *args, **kwargs)
+            if i == self.length - 1:
+                return out
+            hidden = _hidden_of(out, i)
+        return hidden
+
+    def forward(self, hidden: torch.Tensor, *message: torch.Tensor) -> tuple:
+        """The stage's part of the body on a received message ``(hidden, *extra tensors, call id)``."""
+        *tensors, key = message
+        args, kwargs = join_call(self.channel.lookup(int(key.item())), tensors)
+        out = self.run_blocks(hidden, args, kwargs)
+        if self.stop == self.length:
+            return (out,)  # the last stage: the final block's return value, whole, for the user's loop
+        return (out, *tensors, key)
+
+
+def _hidden_of(out: Any, index: int) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        rest, _ = tree_flatten(list(out[1:]))
+        if any(isinstance(leaf, torch.Tensor) for leaf in rest):
+            raise BodyCallError(
+                f"block {index} returned {len(out)} values with tensors besides the hidden state; under PipeStrategy "
+                "only the hidden state crosses stages, so per-block outputs such as attention maps, key/value caches "
+                "or auxiliary losses would be lost: switch them off (e.g. use_cache=False, output_attentions=False)"
+            )
+        return out[0]
+    raise BodyCallError(
+        f"block {index} returned a {type(out).__name__}; a block must return the hidden state (a tensor) or a tuple "
+        "whose first element is the hidden state"
+    )

@@ -1,0 +1,171 @@
+"""How the microbatches' losses and results combine into the batch's, as one step over the batch would.
+
+The rule, stated once (PipeStrategy's docstring and README repeat it):
+
+- ``loss_reduction="mean"`` (default): the step's loss is a mean over the samples of its batch.
+  The batch's loss is the microbatch losses' mean weighted by microbatch size. If the loss is a
+  mean over something else (tokens under a padding mask, pixels), the step says over how many by
+  returning ``{"loss": loss, "num_items": count}``; the weights are then those counts, and as the
+  total is known only once the last microbatch ran, the step's gradients are divided by it at the
+  end of the step on every stage.
+- ``loss_reduction="sum"``: the step's loss is a sum over samples; the batch's loss is the sum.
+
+Other results of the step (``on_train_batch_end``'s ``outputs``) merge the same way: tensors with
+a batch dimension are concatenated, lists joined, numbers and 0-dim tensors combined like the loss
+(``num_items`` summed), anything else kept as a list with one value per microbatch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from lightning_pipe.errors import ConfigurationError
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def loss_of(output: Any, hook: str, required: bool = True) -> Optional[torch.Tensor]:
+    """The loss in a step's result: the tensor itself or its ``"loss"`` entry."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if required:
+        raise ConfigurationError(
+            f"under PipeStrategy, {hook} must return the loss (a tensor, or a dict with 'loss') for every "
+            f"microbatch, got {type(output).__name__}; skipping a batch by returning None is not supported"
+        )
+    return None
+
+
+class LossAccount:
+    """The microbatch losses of one step on the last stage.
+
+    Args:
+        sizes: the microbatch sizes.
+        reduction: ``"mean"`` or ``"sum"``.
+    """
+
+    def __init__(self, sizes: Sequence[int], reduction: str) -> None:
+        self.sizes = list(sizes)
+        self.reduction = reduction
+        self.items: Dict[int, Optional[float]] = {}
+        self.extras: Dict[int, Dict[str, Any]] = {}
+
+    def add(self, i: int, loss: torch.Tensor, output: Any) -> torch.Tensor:
+        """Note microbatch ``i``'s result; return what its backward starts from."""
+        items = _items(output)
+        if self.items and (items is None) != (next(iter(self.items.values())) is None):
+            raise ConfigurationError(
+                "the step returned 'num_items' for some microbatches and not for others; return it every time "
+                "(the number of items, e.g. tokens, that its loss averages over)"
+            )
+        if items is not None and self.reduction == "sum":
+            raise ConfigurationError(
+                "the step returned 'num_items' under PipeStrategy(loss_reduction='sum'): a summed loss needs no count. "
+                "Drop 'num_items', or use loss_reduction='mean' for a loss averaged over num_items items"
+            )
+        self.items[i] = items
+        if isinstance(output, dict):
+            self.extras[i] = {k: _detached(v) for k, v in output.items() if k != "loss"}
+        loss = loss.reshape(())
+        if self.reduction == "sum":
+            return loss
+        if items is None:
+            return loss * (self.sizes[i] / sum(self.sizes))
+        if items == 0:  # its loss is 0/0; it adds nothing, and its backward must not spread NaN
+            return torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+        return loss * items
+
+    @property
+    def counts_items(self) -> bool:
+        return any(v is not None for v in self.items.values())
+
+    def normalizer(self) -> float:
+        """What the step's summed losses and gradients are divided by: the total count, or 1."""
+        if not self.counts_items:
+            return 1.0
+        total = sum(self.items.values())
+        if total <= 0:
+            raise ConfigurationError(
+                f"the step's 'num_items' add up to {total} over the batch; the loss averages over no item"
+            )
+        return total
+
+    def log_weights(self) -> Optional[List[float]]:
+        """Per microbatch, the weight of its loss in the batch's mean (None: summed)."""
+        if self.reduction == "sum":
+            return None
+        if self.counts_items:
+            return [self.items[i] for i in range(len(self.sizes))]
+        return [float(s) for s in self.sizes]
+
+    def merged_extras(self) -> Dict[str, Any]:
+        """The step's other results, merged over the microbatches."""
+        if not self.extras:
+            return {}
+        return merge([self.extras[i] for i in sorted(self.extras)], self.log_weights())
+
+
+def _items(output: Any) -> Optional[float]:
+    if not isinstance(output, dict) or "num_items" not in output:
+        return None
+    value = output["num_items"]
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype == torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigurationError(
+            f"the step's 'num_items' must be a non-negative number (or one-element tensor), got {value!r}; it counts "
+            "the items (e.g. tokens) its loss averages over"
+        )
+    return float(value)
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def merge(values: List[Any], weights: Optional[Sequence[float]], key: str = "") -> Any:
+    """Merge per-microbatch values into the batch's (``weights`` None: numbers are summed).
+
+    Example:
+        >>> merge([{"preds": torch.zeros(2), "acc": 1.0}, {"preds": torch.ones(1), "acc": 0.0}], [2, 1])
+        {'preds': tensor([0., 0., 1.]), 'acc': 0.6666666666666666}
+    """
+    first = values[0]
+    if all(v is None for v in values):
+        return None
+    if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys() for v in values):
+        return {k: merge([v[k] for v in values], weights, k) for k in first}
+    if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
+        return torch.cat(values)
+    if all(_is_number(v) for v in values):
+        if key == "num_items" or weights is None:
+            return _combine(values, [1.0] * len(values), normalize=False)
+        return _combine(values, weights, normalize=True)
+    if all(isinstance(v, list) for v in values):
+        return [x for v in values for x in v]
+    return list(values)
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _combine(values: List[Any], weights: Sequence[float], normalize: bool) -> Any:
+    total = sum(weights) if normalize else 1.0
+    if isinstance(values[0], torch.Tensor):
+        stacked = torch.stack([v.to(torch.float64) for v in values])
+        weight = torch.tensor(list(weights), dtype=torch.float64, device=stacked.device)
+        return ((stacked * weight).sum() / total).to(values[0].dtype)
+    return sum(v * w for v, w in zip(values, weights)) / total

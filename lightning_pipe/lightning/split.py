@@ -1,0 +1,171 @@
+"""A LightningModule with its body split: what each stage holds, what is tied, whose copy counts.
+
+Built once per fit, on every rank, from the same configuration, before any collective: the body is
+found, cut by ``balance`` and replaced in the module by the local stage's stand-in; parameters
+registered under several names are found by identity (:mod:`lightning_pipe.ties`). Names are
+*canonical* when they are the ones the unsplit module's ``named_parameters()`` reports; a tied
+copy known here under another name maps back to it.
+
+Modules outside the body live on every rank; the code before the body call runs on the first and
+the last stage, the code after it on the last. Which stage's copy of a parameter outside the body
+is the trained one (its *owner*) is learned from the first step's gradients
+(:meth:`SplitModel.learn_usage`): the stage that computed a gradient for it. One used on several
+stages (a module before the body whose output also feeds the loss) gets its gradients summed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence, Set
+
+import torch
+from torch import nn
+
+from lightning_pipe.errors import PartitionError
+from lightning_pipe.lightning.body import PipelinedSequential, StandIn, set_submodule
+from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
+from lightning_pipe.partition import SequentialModel, balance_by_parameters, check_balance, split_points
+from lightning_pipe.ties import Tie, aliases, find_ties
+
+
+class SplitModel:
+    """The split of one LightningModule for one stage (see the module docstring).
+
+    Args:
+        module: the LightningModule; its body is replaced by the stand-in.
+        path: the body's attribute path.
+        body: the body (``nn.Sequential`` or ``nn.ModuleList``).
+        balance: layers per stage, or None for the parameter balance.
+        stage_index: this stage.
+        num_stages: the number of stages.
+        channel: the call channel of layer-list bodies.
+    """
+
+    def __init__(self, module: nn.Module, path: str, body: nn.Module, balance: Optional[Sequence[int]],
+                 stage_index: int, num_stages: int, channel: CallChannel) -> None:
+        names = list(body._modules)
+        if num_stages > len(names):
+            raise PartitionError(
+                f"PipeStrategy(pipe_size={num_stages}) needs at least {num_stages} layers, but the body "
+                f"`{path}` has {len(names)}; use pipe_size <= {len(names)} or split the body into more layers"
+            )
+        self.balance = check_balance(balance, len(names), num_stages) if balance is not None else \
+            balance_by_parameters(body, num_stages)
+        self.path, self.body, self.names = path, body, names
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.ranges = split_points(self.balance)
+        self.stage_of_layer = {n: s for s, (a, b) in enumerate(self.ranges) for n in names[a:b]}
+        self.parameter_order = [n for n, _ in module.named_parameters()]
+        self.key_order = list(module.state_dict())
+        self.key_aliases = _key_aliases(module)
+        self.ties: List[Tie] = find_ties(module, self.stages_of)
+        self.aliases = aliases(self.ties)
+        self.owner: Dict[str, int] = {}
+        self.module = module
+        self.stand_in = self._stand_in(channel)
+        self.install(whole=False)
+
+    def install(self, whole: bool) -> None:
+        """Put the whole body (``whole``) or this stage's stand-in into the module."""
+        set_submodule(self.module, self.path, self.body if whole else self.stand_in)
+
+    @property
+    def installed(self) -> bool:
+        return self.module.get_submodule(self.path) is self.stand_in
+
+    def describe(self, dp_size: int) -> List[str]:
+        """One line per stage: its layers, parameters and ranks."""
+        rows = []
+        for s, (start, stop) in enumerate(self.ranges):
+            layers = self.names[start:stop]
+            params = sum(p.numel() for n in layers for p in self.body._modules[n].parameters())
+            rows.append(f"  stage {s}: layers {layers[0]}..{layers[-1]} ({stop - start}), {params:,} parameters, "
+                        f"ranks {list(range(s * dp_size, (s + 1) * dp_size))}")
+        return rows
+
+    def _stand_in(self, channel: CallChannel) -> StandIn:
+        start, stop = self.ranges[self.stage_index]
+        if isinstance(self.body, nn.ModuleList):
+            return PipelinedLayerList(list(self.body), start, stop, self.stage_index, self.num_stages, channel)
+        layers = OrderedDict((n, self.body._modules[n]) for n in self.names[start:stop])
+        return PipelinedSequential(layers, isinstance(self.body, SequentialModel), self.stage_index, self.num_stages)
+
+    def layer_of(self, name: str) -> Optional[str]:
+        """The body layer a parameter or state-dict entry belongs to, or None outside the body."""
+        prefix = self.path + "."
+        return name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else None
+
+    def stages_of(self, name: str) -> List[int]:
+        """The stages holding a copy of a parameter (by any of its names) that they may train."""
+        layer = self.layer_of(name)
+        if layer is not None:
+            return [self.stage_of_layer[layer]]
+        return sorted({0, self.num_stages - 1})
+
+    def canonical(self, name: str) -> str:
+        return self.aliases.get(name, name)
+
+    # -- ownership -------------------------------------------------------------------------------
+    def learn_usage(self, used_per_stage: Sequence[Sequence[str]], parameters: Dict[str, nn.Parameter]) -> List[Tie]:
+        """Owners of the parameters outside the body, from the stages that computed their gradients.
+
+        Args:
+            used_per_stage: per stage, the canonical names of the parameters outside the body that
+                got a gradient in the first step.
+            parameters: the module's parameters by canonical name.
+
+        Returns:
+            The parameters that several stages computed gradients for and that are not tied by
+            identity (whose sums :class:`~lightning_pipe.ties.TiedGradients` already takes).
+        """
+        stages: Dict[str, List[int]] = {}
+        for s, names in enumerate(used_per_stage):
+            for name in names:
+                stages.setdefault(name, []).append(s)
+        self.owner = {n: min(s) for n, s in stages.items()}
+        tied = {name for tie in self.ties for name in tie.names}
+        return [
+            Tie((name,), tuple(where), tuple(parameters[name].shape), parameters[name].dtype)
+            for name, where in sorted(stages.items()) if len(where) > 1 and name not in tied
+        ]
+
+    def owner_of(self, name: str) -> int:
+        """The stage whose copy of a parameter or state-dict entry is authoritative."""
+        name = self.canonical(self.key_aliases.get(name, name))
+        layer = self.layer_of(name)
+        if layer is not None:
+            for tie in self.ties:
+                if name in tie.names:
+                    return tie.owner
+            return self.stage_of_layer[layer]
+        if name in self.owner:
+            return self.owner[name]
+        module_path = name.rpartition(".")[0]  # buffers follow the parameters of their module
+        owners = [s for n, s in self.owner.items() if n.rpartition(".")[0] == module_path]
+        return min(owners) if owners else 0
+
+    def owned_keys(self, keys: Sequence[str]) -> Set[str]:
+        """The state-dict keys among ``keys`` that this stage saves: its layers', and those it owns outside."""
+        owned = set()
+        for key in keys:
+            layer = self.layer_of(key)
+            if layer is not None and self.stage_of_layer[layer] == self.stage_index or \
+                    layer is None and self.owner_of(key) == self.stage_index:
+                owned.add(key)
+        return owned
+
+    def counts_in_norm(self, name: str) -> bool:
+        """Whether this stage counts a local parameter's gradient in the global norm (once per tie)."""
+        return self.owner_of(name) == self.stage_index
+
+
+def _key_aliases(module: nn.Module) -> Dict[str, str]:
+    """State-dict keys of a tensor registered twice -> the first key (a checkpoint stores it once)."""
+    first: Dict[int, str] = {}
+    out = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.Tensor):
+            original = first.setdefault(id(tensor), key)
+            if original != key:
+                out[key] = original
+    return out

@@ -1,0 +1,430 @@
+"""PipeStrategy: pipeline parallelism for an unchanged LightningModule.
+
+Glue only: the body is split by :mod:`.split`, the user's step is cut by :mod:`.steps`, the
+pipeline is :class:`lightning_pipe.pipeline.Pipeline`, logs go through :mod:`.logs`, hooks see what
+:mod:`.hooks` shows them, and checkpoints are :class:`.state.Checkpoints`. Process layout: ``world =
+pp x dp`` on a DeviceMesh with dims ``("pp", "dp")``, pp outermost, so stage ``s`` holds global
+ranks ``s*dp ... s*dp+dp-1``.
+
+Inside one automatic-optimization step Lightning runs ``training_step -> zero_grad -> backward``.
+The pipeline computes the gradients inside ``training_step``; they are set aside there (so the
+``zero_grad`` that follows cannot wipe them) and put back in :meth:`PipeStrategy.backward`, which
+still runs the precision plugin's hooks so ``on_before_backward``/``on_after_backward`` fire.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_pipe import gradients, rng
+from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from lightning_pipe.checkpoint import check_checkpoint
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.faults import report_job_error
+from lightning_pipe.lightning import hooks, logs
+from lightning_pipe.lightning.body import find_body
+from lightning_pipe.lightning.effects import StepEffects
+from lightning_pipe.lightning.layer_list import CallChannel
+from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
+from lightning_pipe.lightning.split import SplitModel
+from lightning_pipe.lightning.state import Checkpoints
+from lightning_pipe.lightning.steps import StepRunner, outputs_of
+from lightning_pipe.microbatch import scatter
+from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.schedule import SCHEDULES
+from lightning_pipe.ties import TiedGradients
+
+_GRACE_SECONDS = 5.0  # how long the launcher lets other ranks fail on their own after an exception
+
+
+class PipeStrategy(DDPStrategy):
+    """Pipeline parallelism (GPipe or 1F1B) composed with data parallelism, for Lightning.
+
+    The LightningModule's body (its ``nn.Sequential``, or its ``nn.ModuleList`` of blocks called
+    in a loop) is split into ``pipe_size`` stages, one per process; the user's steps stay as they
+    are. The step runs once per microbatch: up to the body call on the first stage, whole (with
+    the body's output put in) on the last. Both runs of a microbatch draw the same random numbers.
+    The batch's loss is the microbatch losses' mean weighted by microbatch size, as for a loss that
+    averages over samples; a step whose loss averages over other items (tokens under a mask)
+    returns ``{"loss": loss, "num_items": count}``, and one whose loss is a sum sets
+    ``loss_reduction="sum"``.
+
+    Args:
+        pipe_size: number of pipeline stages; the remaining factor of the world size replicates
+            the pipeline (data parallelism). Default: all processes form one pipeline.
+        num_microbatches: microbatches per batch. Default: ``2 * pipe_size``.
+        schedule: ``"1f1b"`` (less activation memory) or ``"gpipe"``.
+        checkpoint: activation checkpointing, ``"always"``, ``"except_last"`` or ``"never"``.
+        deferred_batch_norm: turn the module's BatchNorms into :class:`DeferredBatchNorm`, whose
+            running statistics are updated once per batch instead of once per microbatch.
+        balance: layers per stage; default balanced by parameter count.
+        body: attribute path of the body; default: the only ``nn.Sequential``/``nn.ModuleList``
+            (or the one holding most of the parameters).
+        loss_reduction: ``"mean"`` (the step's loss averages over samples, or over ``num_items``)
+            or ``"sum"`` (it sums over samples).
+        gather_full_model: after ``fit``, put the whole trained model back into the
+            LightningModule on every rank (set False to save memory; then the module refuses to run).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default: the accelerator's.
+        timeout: how long a rank waits for a message or collective before failing.
+        start_method: only ``"popen"`` (Lightning's default for DDP): the spawn and fork launchers
+            copy rank 0's module back into the main process, which would lose the other stages.
+
+    Example:
+        >>> strategy = PipeStrategy(pipe_size=2, num_microbatches=4, schedule="gpipe")
+        >>> strategy.schedule
+        'gpipe'
+    """
+
+    strategy_name = "pipe"
+
+    def __init__(
+        self,
+        pipe_size: Optional[int] = None,
+        num_microbatches: Optional[int] = None,
+        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        checkpoint: Union[Literal["always", "except_last", "never"], bool] = "never",
+        deferred_batch_norm: bool = False,
+        balance: Optional[List[int]] = None,
+        body: Optional[str] = None,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        gather_full_model: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen"] = "popen",
+    ) -> None:
+        for name, value in (("pipe_size", pipe_size), ("num_microbatches", num_microbatches)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigurationError(f"PipeStrategy({name}={value!r}): give a positive integer or None")
+        for name, value, allowed in (("schedule", schedule, sorted(SCHEDULES)), ("loss_reduction", loss_reduction,
+                                     list(LOSS_REDUCTIONS)), ("start_method", start_method, ["popen"])):
+            if value not in allowed:
+                raise ConfigurationError(f"PipeStrategy({name}={value!r}): choose one of {allowed}" + (
+                    "; the spawn and fork launchers copy rank 0's (split) module back into the main process, which "
+                    "would lose the other stages" if name == "start_method" else ""))
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+        )
+        self.pipe_size, self.num_microbatches, self.schedule = pipe_size, num_microbatches, schedule
+        self.checkpoint = check_checkpoint(checkpoint)
+        self.deferred_batch_norm, self.balance, self.body = deferred_batch_norm, balance, body
+        self.loss_reduction, self.gather_full_model = loss_reduction, gather_full_model
+        self.split: Optional[SplitModel] = None
+        self._pipeline: Optional[Pipeline] = None
+        self._checkpoints: Optional[Checkpoints] = None
+        self._ties: Optional[TiedGradients] = None
+        self._pending_grads: Dict[torch.nn.Parameter, Optional[torch.Tensor]] = {}
+
+    # -- topology ------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def pp_size(self) -> int:
+        return self.pipe_size if self.pipe_size is not None else self.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.pp_size
+
+    @property
+    def stage_index(self) -> int:
+        return self.global_rank // self.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.global_rank % self.dp_size
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_index == self.pp_size - 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    def setup_environment(self) -> None:
+        if self.world_size % self.pp_size:
+            raise ConfigurationError(
+                f"PipeStrategy(pipe_size={self.pipe_size}) must divide the number of processes (devices x num_nodes = "
+                f"{self.world_size}); use a pipe_size among {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
+            )
+        super().setup_environment()
+        mesh = init_device_mesh(self.root_device.type, (self.pp_size, self.dp_size), mesh_dim_names=("pp", "dp"))
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self._pp_ranks = dist.get_process_group_ranks(self.pp_group)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not module.automatic_optimization:
+            raise ConfigurationError("PipeStrategy supports automatic optimization only: the pipeline runs forward and "
+                                     "backward inside training_step. Remove `self.automatic_optimization = False`")
+        if str(getattr(self.precision_plugin, "precision", "")) in ("16-mixed", "16"):
+            raise ConfigurationError("PipeStrategy does not support precision='16-mixed' yet (per-microbatch loss "
+                                     "scaling); use precision='bf16-mixed' or '32-true'")
+        if self.split is None or self.split.module is not module:
+            self._split_module(module)
+        self.split.install(whole=False)
+        self.split.stand_in.begin_step("local")
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        m = self.num_microbatches or 2 * self.pp_size
+        self._pipeline = Pipeline(
+            self._runner.first_stage() if self.stage_index == 0 else self.split.stand_in, chunks=m,
+            process_group=self.pp_group, schedule=self.schedule, timeout=self._timeout or default_pg_timeout,
+            # the first stage checkpoints the body's layers itself (see FirstStage), never the user's step
+            checkpoint=self.checkpoint if self.stage_index > 0 else "never", device=self.root_device,
+        )
+        self._pipeline.errors.watch_job = True  # replicas cannot go on once any rank failed
+        self._effects.num_microbatches = m
+        for metric in (m for m in module.modules() if isinstance(m, logs.Metric) and m.process_group is None):
+            metric.process_group = self.dp_group
+        if not any(isinstance(c, hooks.StepState) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, hooks.StepState(self))
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._checkpoints = Checkpoints(self.split, module, self.pp_group, self.pp_size, self.dp_rank)
+            self._checkpoints.record_layouts(self._bare_optimizers())
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+            if self.pp_size > 1 and hooks.overrides_optimizer_step_hook(module, trainer.callbacks):
+                hooks.combine_optimizer_step_logs(self)
+            rank_zero_info(f"PipeStrategy: {self.pp_size} stages x {self.dp_size} replicas, schedule {self.schedule}, "
+                           f"{m} microbatches, checkpoint {self.checkpoint}, body `{self.split.path}`, ideal bubble "
+                           f"{(self.pp_size - 1) / (m + self.pp_size - 1):.1%}\n" + "\n".join(self.split.describe(self.dp_size)))
+            trainer.callbacks.insert(0, hooks.BodySwap(self, whole=True))  # the summary sees the whole model
+            trainer.callbacks.append(hooks.BodySwap(self, whole=False))
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _split_module(self, module: torch.nn.Module) -> None:
+        if self.deferred_batch_norm:
+            DeferredBatchNorm.convert_deferred_batch_norm(module)
+        path, body = find_body(module, self.body)
+        gradients.broadcast_module(module, self.root_device)  # every stage and replica starts from rank 0's weights
+        channel = CallChannel(dist.PrefixStore("lightning_pipe/calls/", dist.distributed_c10d._get_default_store()))
+        self.split = SplitModel(module, path, body, self.balance, self.stage_index, self.pp_size, channel)
+        self._effects = StepEffects(module, 1)
+        self._recorder = logs.LogRecorder(module, path)
+        self._runner = StepRunner(module, self.split.stand_in, path, self._recorder, self._effects,
+                                  self.checkpoint, self.loss_reduction)
+        self._ties = None
+
+    def _bare_optimizers(self) -> List[Any]:
+        return [getattr(o, "_optimizer", o) for o in self.optimizers]
+
+    # -- training ------------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module, first, last = self.lightning_module, self.stage_index == 0, self.is_last_stage
+        self._runner.begin("training_step", args[1:], self._pipeline)
+        with self.precision_plugin.train_step_context():
+            earlier = gradients.take_grads(module.parameters())
+            with self._recorder.recording():
+                loss, _ = self._pipeline.forward_backward(
+                    *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
+                    criterion=self._runner.criterion if last and not first else None,  # one stage: FirstStage's loss
+                    loss_scale=1.0 / module.trainer.accumulate_grad_batches,
+                )
+            if self.deferred_batch_norm:
+                commit_deferred_batch_norm(module)
+            if self._ties is None:
+                self._learn_usage()
+            self._pending_grads = gradients.take_grads(module.parameters())
+            account = self._runner.account
+            summary = (loss, self._runner.folded_logs(self._pipeline.last_sizes), account.merged_extras(),
+                       account.normalizer()) if last else None
+            loss, extras, normalizer = self._share_results(summary)
+            if normalizer != 1.0:  # the losses were weighted by num_items: divide by their total now
+                gradients.scale_grads(self._pending_grads, 1.0 / normalizer)
+            self._ties.sum_(self._pending_grads)
+            gradients.add_grads(earlier)
+        return {"loss": loss, **extras} if extras else loss
+
+    def _learn_usage(self) -> None:
+        """First step: which stage trains each parameter outside the body (see :class:`SplitModel`)."""
+        split, module = self.split, self.lightning_module
+        used = [split.canonical(n) for n, p in module.named_parameters() if split.layer_of(n) is None and p.grad is not None]
+        per_stage: List[Any] = [None] * self.pp_size
+        dist.all_gather_object(per_stage, used, group=self.pp_group)
+        parameters = {split.canonical(n): p for n, p in module.named_parameters(remove_duplicate=False)}
+        shared = split.learn_usage(per_stage, parameters)
+        self._ties = TiedGradients(split.ties + shared, module, self.stage_index, self.pp_group, self.root_device)
+        tied = sorted({tie.names[0] for tie in self._ties.ties})
+        if tied:
+            rank_zero_info(f"PipeStrategy: parameters used on several stages, kept in sync: {tied}")
+
+    def _share_results(self, summary: Optional[tuple]) -> tuple:
+        """Send the last stage's loss, logs, metric states and results to the whole pipeline; log them."""
+        module, last = self.lightning_module, self.is_last_stage
+        payload = [(summary, logs.metric_states(module, self.split.path)) if last else None]
+        if self.pp_size > 1:
+            dist.broadcast_object_list(payload, src=self._pp_ranks[-1], group=self.pp_group, device=self._object_device())
+        (loss, calls, extras, normalizer), metric_states = payload[0]
+        if not last:
+            logs.load_metric_states(module, metric_states, self.root_device)
+        logs.replay(module, calls, self.root_device)
+        to_device = lambda v: v.to(self.root_device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        if loss is not None:
+            loss = to_device(loss) / normalizer
+        return loss, {k: to_device(v) for k, v in extras.items()}, normalizer
+
+    def _object_device(self) -> Optional[torch.device]:
+        return self.root_device if dist.get_backend(self.pp_group) == "nccl" else None
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        gradients.add_grads(self._pending_grads)
+        self._pending_grads = {}
+        if self.dp_size > 1 and not module.trainer.fit_loop.epoch_loop._should_accumulate():
+            gradients.average(module.parameters(), self.dp_group, self.dp_size)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        """Clip by the norm over all stages (the precision plugin's own clipping is local)."""
+        split = self.split
+        owned = {id(p) for n, p in self.lightning_module.named_parameters() if split.counts_in_norm(n)}
+        gradients.clip_by_global_norm(optimizer, clip_val, owned, self.pp_group, self.root_device)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def _eval_step(self, hook: str, context: Any, args: tuple) -> Any:
+        if self.pp_size == 1:
+            with context:
+                return getattr(self.lightning_module, hook)(*args)
+        batch, first, last, pipeline = args[0], self.stage_index == 0, self.is_last_stage, self._pipeline
+        self._runner.begin(hook, args[1:], pipeline)
+        with context, self._recorder.recording():
+            per_microbatch = pipeline.forward_microbatches(*((batch,) if first else ()))
+            outputs = summary = None
+            if last:
+                parts = scatter((batch,), len(per_microbatch), pipeline.batch_dim)
+                results = [self._runner.note(i, self._runner.run(i, part[0], "replace", out))
+                           for i, (out, part) in enumerate(zip(per_microbatch, parts))]
+                outputs = outputs_of(results, self._runner.account, pipeline.last_sizes)
+                shared = {"outputs": outputs} if hook == "predict_step" else {}
+                summary = (None, self._runner.folded_logs(pipeline.last_sizes), shared, 1.0)
+            pipeline.reseed(rng.END)
+        _, extras, _ = self._share_results(summary)
+        return extras.get("outputs", outputs)  # predictions on every rank; the step's merged output on the last
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context(), args)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", self.precision_plugin.test_step_context(), args)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args)
+
+    def share_step_state(self) -> None:
+        """Epoch end: the attributes the last stage's steps built, to every stage (see :mod:`.hooks`)."""
+        if self.pp_size > 1 and self.split is not None and self.split.installed:
+            box = [self._effects.shared_state() if self.is_last_stage else None]
+            dist.broadcast_object_list(box, src=self._pp_ranks[-1], group=self.pp_group, device=self._object_device())
+            if not self.is_last_stage:
+                self._effects.load_shared_state(box[0])
+
+    # -- collectives from user code run over the replicas of a stage, as DDP's run over its replicas
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        world = group is None or group is dist.group.WORLD
+        return super().all_gather(tensor, group=self.dp_group if world else group, sync_grads=sync_grads)
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return super().reduce(tensor, group=self.dp_group if group is None else group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        summed = super().reduce(torch.tensor(int(decision), device=self.root_device), group=dist.group.WORLD,
+                                reduce_op="sum")
+        return bool(summed == self.world_size) if all else bool(summed)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        if self.split is None or not self.split.installed:
+            return super().lightning_module_state_dict()
+        return self._checkpoints.module_state() if self._checkpoints else {}
+
+    def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._checkpoints is None or optimizer not in self._bare_optimizers():
+            return super().optimizer_state(optimizer)
+        return self._checkpoints.optimizer_state(optimizer, self._bare_optimizers().index(optimizer))
+
+    def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
+        if self.split is None or not self.split.installed:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._checkpoints.load_module_state(checkpoint["state_dict"], strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
+        if self._checkpoints is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        self._checkpoints.load_optimizer_states(self._bare_optimizers(), checkpoint["optimizer_states"])
+
+    # -- the end -------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        """Make the whole job stop: tell every pipeline, and on the launcher end stuck ranks.
+
+        Lightning kills the other ranks only on KeyboardInterrupt. A rank of another replica can
+        be blocked in a collective that this failure left unmatched, so the launching process
+        gives the other ranks a few seconds to fail on their own, then kills what is left.
+        """
+        super().on_exception(exception)
+        report_job_error(f"global rank {self.global_rank} (stage {self.stage_index}, replica {self.dp_rank}) "
+                         f"failed: {type(exception).__name__}: {exception}")
+        procs = getattr(self.launcher, "procs", None)
+        if procs:
+            deadline = time.monotonic() + _GRACE_SECONDS
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                time.sleep(0.1)
+            if any(p.poll() is None for p in procs):
+                self.launcher.kill(signal.SIGKILL)
+
+    def on_train_end(self) -> None:
+        """Put the whole trained model back into the LightningModule (a collective, on every rank)."""
+        if self.split is None or not self.split.installed:
+            return
+        if not self.gather_full_model:
+            self.split.stand_in.mode = "released"  # fail loudly rather than run stage s alone
+            return
+        box = [self._checkpoints.module_state()]
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        self.split.install(whole=True)
+        self.lightning_module.load_state_dict(box[0])
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if self.split is not None and self.split.installed and self.gather_full_model and not fitting:
+            self.split.install(whole=True)  # evaluation left the weights as they were: the whole body holds them
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, schedule in (("pipe", "1f1b"), ("pipe_1f1b", "1f1b"), ("pipe_gpipe", "gpipe")):
+            strategy_registry.register(
+                name, cls, description=f"Pipeline parallelism with the {schedule} schedule", schedule=schedule
+            )
+
+
+PipeStrategy.register_strategies(StrategyRegistry)
