@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_pipe import ConfigurationError, PipeStrategy
-from lightning_pipe.lightning.body import PipelinedBody, find_body
+from lightning_pipe.lightning.body import PipelinedSequential, find_body
 
 
 class TwoBodies(pl.LightningModule):
@@ -39,16 +39,32 @@ def test_find_body_detects_the_only_sequential():
 
 
 def test_find_body_lists_the_candidates_when_ambiguous():
-    with pytest.raises(ConfigurationError, match=r"several nn.Sequential attributes: \['encoder', 'decoder'\]. "
-                                                 r"Name the one to pipeline with PipeStrategy\(body=...\)"):
+    with pytest.raises(ConfigurationError, match=r"several bodies to choose from: \['encoder', 'decoder'\], none holding "
+                                                 r"most of the parameters. Name the one to pipeline with PipeStrategy\(body=...\)"):
         find_body(TwoBodies())
     assert find_body(TwoBodies(), "decoder")[0] == "decoder"
 
 
+class LayerListModel(pl.LightningModule):
+    """Blocks in a ModuleList (the body), plus a small nn.Sequential head: the list holds most parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+        self.head = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 5))
+
+
+def test_find_body_takes_a_module_list_and_prefers_the_candidate_holding_most_parameters():
+    path, body = find_body(LayerListModel())
+    assert path == "layers" and isinstance(body, nn.ModuleList) and len(body) == 3
+    assert find_body(LayerListModel(), "head")[0] == "head"
+
+
 def test_find_body_errors_name_the_fix():
-    with pytest.raises(ConfigurationError, match="has no nn.Sequential attribute to pipeline"):
+    with pytest.raises(ConfigurationError, match="has no nn.Sequential or nn.ModuleList attribute to pipeline"):
         find_body(nn.Linear(2, 2))
-    with pytest.raises(ConfigurationError, match=r"body='head'\) names a Linear; the body must be an nn.Sequential"):
+    with pytest.raises(ConfigurationError, match=r"body='head'\) names a Linear; the body must be an nn.Sequential .* or an nn.ModuleList"):
         find_body(TwoBodies(), "head")
     with pytest.raises(ConfigurationError, match="TwoBodies has no submodule 'missing'"):
         find_body(TwoBodies(), "missing")
@@ -56,7 +72,7 @@ def test_find_body_errors_name_the_fix():
 
 def test_a_released_body_fails_loudly_and_cannot_be_split_again():
     module = OneBody()
-    module.blocks = PipelinedBody(OrderedDict(first=nn.Linear(2, 2)), False, 0, 2)
+    module.blocks = PipelinedSequential(OrderedDict(first=nn.Linear(2, 2)), False, 0, 2)
     module.blocks.mode = "released"
     with pytest.raises(ConfigurationError, match="holds only stage 0 of 2"):
         module.blocks(torch.ones(1, 2))
@@ -69,7 +85,8 @@ def test_a_released_body_fails_loudly_and_cannot_be_split_again():
     ({"num_microbatches": 2.5}, r"num_microbatches=2.5\)"),
     ({"schedule": "zb"}, r"schedule='zb'\): choose one of \['1f1b', 'gpipe'\]"),
     ({"checkpoint": "sometimes"}, r"checkpoint must be one of"),
-    ({"start_method": "spawn"}, r"only 'popen' is supported"),
+    ({"start_method": "spawn"}, r"start_method='spawn'\): choose one of \['popen'\]; the spawn and fork launchers"),
+    ({"loss_reduction": "token_mean"}, r"loss_reduction='token_mean'\): choose one of \['mean', 'sum'\]"),
 ])
 def test_bad_arguments_raise_named_errors(kwargs, message):
     with pytest.raises(ConfigurationError, match=message):

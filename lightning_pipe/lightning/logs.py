@@ -251,7 +251,8 @@ def combine_stages(per_stage: Sequence[List[Dict[str, Any]]], canonical: Dict[st
         by_parameter = norms.get(norm, {})
         entries = [by_parameter[n] for n in order if n in by_parameter]
         call = dict(call)
-        call["value"] = torch.tensor([float(v) for v in entries]).norm(float(norm)) if entries else call["value"]
+        # as grad_norm computes it: the norm of the per-parameter norms, in the unsplit model's order
+        call["value"] = torch.stack([torch.as_tensor(v) for v in entries]).norm(float(norm)) if entries else call["value"]
         calls[call["name"]] = call
     return list(calls.values()), disagree
 

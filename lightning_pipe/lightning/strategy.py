@@ -409,14 +409,20 @@ class PipeStrategy(DDPStrategy):
             return
         box = [self._checkpoints.module_state()]
         dist.broadcast_object_list(box, src=0, device=self._object_device())
-        self.split.install(whole=True)
+        self._install_whole_body()
         self.lightning_module.load_state_dict(box[0])
+
+    def _install_whole_body(self) -> None:
+        """The whole body back in the module, its other stages' layers converted and moved like the local ones."""
+        self.split.install(whole=True)
+        self.precision_plugin.convert_module(self.split.body)
+        self.split.body.to(self.root_device)
 
     def teardown(self) -> None:
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         if self.split is not None and self.split.installed and self.gather_full_model and not fitting:
-            self.split.install(whole=True)  # evaluation left the weights as they were: the whole body holds them
+            self._install_whole_body()  # evaluation left the weights as they were: the whole body holds them
         super().teardown()
 
     @classmethod

@@ -1,0 +1,402 @@
+"""Models written the way model libraries write them, trained by the tests under DDP and PipeStrategy.
+
+``python tests/lm_app.py --root DIR --out result.pt --runs '[{"case": "llama", "strategy": "pipe", ...}]'``
+runs each fit in turn in the same processes (Lightning's launcher starts the other ranks at the
+first fit; every run of one launch uses the same number of processes). Global rank 0 saves, per
+run, the final weights, the CSV log, callback metrics, what ``on_train_batch_end`` received and the
+last checkpoint's path; every rank saves the random draws its steps recorded.
+
+Cases:
+- ``llama``: blocks in an ``nn.ModuleList`` called in a sliced loop with keyword arguments: rotary
+  ``position_embeddings=(cos, sin)`` without a batch dimension, a batched padding mask,
+  ``position_ids``, ``past_key_value=None``, ``use_cache=False``; a token-mean loss over the
+  non-padding tokens declared with ``num_items``; ``grad_norm`` in ``on_before_optimizer_step``,
+  predictions in the step's outputs, and a validation metric computed at epoch end from lists
+  built in ``validation_step``.
+- ``gpt2``: learned positions, a ``(T, T)`` causal mask and ``None`` passed positionally,
+  ``enumerate`` over the list, blocks returning ``(hidden, None)``; head tied to the embedding.
+- ``albert``: one block shared by every position of the list (a tie across all stages), and a
+  head tied to the embedding; clipped by norm.
+- ``tied_seq``: an ``nn.Sequential`` body ``(embedding, blocks..., head)`` with the head's weight
+  tied to the embedding's inside the body.
+- ``sum``: a regression with ``F.mse_loss(..., reduction="sum")`` under ``loss_reduction="sum"``.
+- ``denoise``, ``diffusion``, ``mixup``: steps that draw random numbers before the body (the body
+  has dropout); they record their draws.
+- ``bad_args``: a loop that gives each block another mask (refused); ``ema``: an EMA teacher
+  updated inside ``training_step`` (refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import grad_norm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lightning_pipe  # noqa: E402
+
+VOCAB, LENGTH, PAD, WIDTH, HEADS = 23, 8, 0, 16, 2
+
+
+def token_data(num: int = 48, seed: int = 0):
+    """Sequences following t -> 3t+1 (mod VOCAB) with random lengths, padded with PAD (labels -100)."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(1, VOCAB, (num, 1), generator=g)
+    steps = [start]
+    for _ in range(LENGTH):
+        steps.append((steps[-1] * 3 + 1) % (VOCAB - 1) + 1)
+    seq = torch.cat(steps, dim=1)
+    lengths = torch.randint(3, LENGTH + 1, (num,), generator=g)
+    keep = torch.arange(LENGTH + 1)[None] <= lengths[:, None]
+    seq = torch.where(keep, seq, torch.full_like(seq, PAD))
+    tokens, labels = seq[:, :-1], seq[:, 1:].clone()
+    labels[labels == PAD] = -100
+    return torch.utils.data.TensorDataset(tokens, labels)
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int = WIDTH, heads: int = HEADS) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x, mask, rotary=None):
+        b, t, w = x.shape
+        q, k, v = (z.view(b, t, self.heads, w // self.heads).transpose(1, 2) for z in self.qkv(x).split(w, -1))
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = (z * cos + _rotate(z) * sin for z in (q, k))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, t, w))
+
+
+def _rotate(x):
+    a, b = x.chunk(2, -1)
+    return torch.cat((-b, a), -1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(WIDTH), nn.RMSNorm(WIDTH)
+        self.attn = Attention()
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.SiLU(), nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x, attention_mask=None, position_ids=None, position_embeddings=None, past_key_value=None,
+                use_cache=False):
+        assert past_key_value is None and use_cache is False and position_ids.shape[0] == 1
+        x = x + self.attn(self.norm1(x), attention_mask, position_embeddings)
+        return x + self.mlp(self.norm2(x))
+
+
+class LMBase(pl.LightningModule):
+    """Token-mean cross entropy over non-padding tokens, declared with num_items."""
+
+    lr = 0.01
+
+    def _loss(self, logits, labels):
+        total = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum")
+        count = (labels != -100).sum()
+        return total / count, count
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+class LlamaStyle(LMBase):
+    def __init__(self, n_layer: int = 4) -> None:
+        super().__init__()
+        self.n_layer = n_layer
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList([LlamaBlock() for _ in range(n_layer)])
+        self.norm = nn.RMSNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, WIDTH // HEADS, 2) / (WIDTH // HEADS)),
+                             persistent=False)
+        self.val_scores = []
+
+    def logits(self, tokens):
+        t = tokens.shape[1]
+        position_ids = torch.arange(t, device=tokens.device)[None]
+        angles = position_ids[..., None].to(self.inv_freq.dtype) * self.inv_freq
+        angles = torch.cat((angles, angles), -1)[:, None]  # (1, 1, T, head width): no batch dimension
+        cos, sin = angles.cos(), angles.sin()
+        keys = (tokens != PAD)[:, None, None, :]  # (B, 1, 1, T): the microbatch's own rows
+        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()[None, None] & (keys | torch.eye(
+            t, dtype=torch.bool, device=tokens.device))
+        x = self.embed(tokens)
+        for layer in self.layers[: self.n_layer]:
+            x = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin),
+                      past_key_value=None, use_cache=False)
+        return self.head(self.norm(x))
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self.logits(tokens)
+        loss, count = self._loss(logits, labels)
+        self.log("train_loss", loss)
+        return {"loss": loss, "num_items": count, "preds": logits.argmax(-1)}
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log_dict(grad_norm(self, norm_type=2))
+
+    def validation_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self.logits(tokens)
+        loss, count = self._loss(logits, labels)
+        self.log("val_loss", loss)
+        keep = labels != -100
+        self.val_scores.append((logits.argmax(-1)[keep] == labels[keep]).double())
+        return {"loss": loss, "num_items": count}
+
+    def on_validation_epoch_end(self):
+        # the usual way to get an epoch-level metric without torchmetrics: lists built in validation_step
+        self.log("val_token_accuracy", torch.cat(self.val_scores).mean())
+        self.val_scores.clear()
+
+
+class GPT2Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = Attention()
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, hidden_states, attention_mask, layer_past, use_cache):
+        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), attention_mask)
+        hidden_states = hidden_states + self.mlp(self.ln_2(hidden_states))
+        return (hidden_states, None)  # (hidden, present): no cache in training
+
+
+class GPT2Style(LMBase):
+    def __init__(self, n_layer: int = 4, shared: bool = False) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(LENGTH, WIDTH)
+        block = GPT2Block()
+        self.h = nn.ModuleList([block if shared else GPT2Block() for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        t = tokens.shape[1]
+        hidden = self.wte(tokens) + self.wpe(torch.arange(t, device=tokens.device))
+        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        for i, block in enumerate(self.h):
+            outputs = block(hidden, causal, None, False)
+            hidden = outputs[0]
+        loss = F.cross_entropy(self.lm_head(self.ln_f(hidden)).reshape(-1, VOCAB), tokens.roll(-1, 1).reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+
+class TiedSequential(LMBase):
+    """Sequential(embedding, blocks..., head) with head.weight = embedding.weight inside the body."""
+
+    def __init__(self, n_layer: int = 4) -> None:
+        super().__init__()
+        embed, head = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
+        head.weight = embed.weight
+        blocks = [nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(n_layer)]
+        self.body = nn.Sequential(embed, *blocks, head)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        loss, count = self._loss(self.body(tokens), labels)
+        self.log("train_loss", loss)
+        return {"loss": loss, "num_items": count}
+
+
+class SumRegression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(4, 4), nn.Tanh())], nn.Linear(4, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.body(x), y, reduction="sum")
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.002)
+
+
+class NoiseBase(pl.LightningModule):
+    """A body with dropout; the step draws random numbers before the body and records them."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, 32), nn.Dropout(0.05), nn.Tanh(), nn.Linear(32, 32),
+                                  nn.Dropout(0.05), nn.Tanh(), nn.Linear(32, width))
+        self.draws = []
+        self.steps_seen = 0
+
+    def record(self, *tensors):
+        if self.training:
+            self.draws.append([float(t.double().sum()) for t in tensors])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+class Denoise(NoiseBase):
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        noise = torch.randn_like(x)
+        self.record(noise)
+        loss = F.mse_loss(self.body(noise), noise)
+        self.log("train_loss", loss)
+        return loss
+
+
+class Diffusion(NoiseBase):
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        t = torch.randint(0, 10, (x.shape[0], 1))
+        noise = torch.randn_like(x)
+        alpha = 1.0 - t.to(x.dtype) / 10
+        self.record(t, noise)
+        self.steps_seen += 1  # a counter in the step: warned about once
+        loss = F.mse_loss(self.body(alpha.sqrt() * x + (1 - alpha).sqrt() * noise), noise)
+        self.log("train_loss", loss)
+        return loss
+
+
+class Mixup(NoiseBase):
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        lam = torch.rand(())
+        perm = torch.randperm(x.shape[0])
+        self.record(lam, perm)
+        out = self.body(lam * x + (1 - lam) * x[perm])
+        target = lam * x.flip(1) + (1 - lam) * x[perm].flip(1)  # the targets are mixed after the body
+        loss = F.mse_loss(out, target)
+        self.log("train_loss", loss)
+        return loss
+
+
+class BadArgs(LlamaStyle):
+    def logits(self, tokens):
+        x = self.embed(tokens)
+        t = tokens.shape[1]
+        for i, layer in enumerate(self.layers):  # a different mask per block: not reproducible by a pipeline
+            mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril(diagonal=i)
+            x = layer(x, attention_mask=mask, position_ids=torch.arange(t)[None])
+        return self.head(self.norm(x))
+
+
+class EmaInStep(NoiseBase):
+    def __init__(self) -> None:
+        super().__init__()
+        import copy
+
+        self.teacher = copy.deepcopy(self.body).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.body.parameters()):
+                t.mul_(0.9).add_(s, alpha=0.1)  # belongs in on_train_batch_end under PipeStrategy
+            target = self.teacher(x)
+        return F.mse_loss(self.body(x), target)
+
+
+CASES = {
+    "llama": (LlamaStyle, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
+    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
+    "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_args": (BadArgs, "tokens"),
+    "ema": (EmaInStep, "noise"),
+}
+
+
+def loaders(kind: str):
+    if kind == "tokens":
+        data = token_data()
+        return (torch.utils.data.DataLoader(data, batch_size=8),
+                torch.utils.data.DataLoader(token_data(16, seed=1), batch_size=8))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64 if kind == "noise" else 48, 8 if kind == "noise" else 4, generator=g)
+    if kind == "noise":
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=16), None
+    y = x.sum(1, keepdim=True) * 0.5
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=12), None
+
+
+class Outputs(Callback):
+    """What on_train_batch_end receives on this rank."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append({k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in outputs.items()}
+                         if isinstance(outputs, dict) else {"loss": outputs.detach().cpu().clone()})
+
+
+def run(spec: dict, root: str) -> dict:
+    name = spec["name"]
+    pl.seed_everything(0)
+    model = CASES[spec["case"]][0]()
+    if spec["strategy"] == "pipe":
+        strategy = lightning_pipe.PipeStrategy(
+            pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
+            schedule=spec.get("schedule", "1f1b"), checkpoint=spec.get("checkpoint", "never"),
+            loss_reduction="sum" if spec["case"] == "sum" else "mean",
+        )
+    else:
+        strategy = spec["strategy"]
+    outputs, checkpoint = Outputs(), ModelCheckpoint(dirpath=os.path.join(root, name, "ckpt"), save_last=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=spec["devices"], strategy=strategy, max_epochs=spec.get("epochs", 1),
+        max_steps=spec.get("steps", -1),
+        precision=spec.get("precision", "64-true"), gradient_clip_val=spec.get("clip"),
+        logger=CSVLogger(root, name=name, version=0), log_every_n_steps=1, callbacks=[outputs, checkpoint],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0,
+    )
+    train, val = loaders(CASES[spec["case"]][1])
+    trainer.fit(model, train, val)
+    rank = trainer.global_rank
+    draws = getattr(model, "draws", None)
+    if draws is not None:
+        torch.save(draws, os.path.join(root, f"draws_{name}_{rank}.pt"))
+    if not trainer.is_global_zero:
+        return {}
+    with open(os.path.join(root, name, "version_0", "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    return {
+        "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "csv": rows, "callback_metrics": {k: v.cpu() for k, v in trainer.callback_metrics.items()},
+        "outputs": outputs.seen, "last_model_path": checkpoint.last_model_path, "global_step": trainer.global_step,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", required=True, help="a JSON list of runs: name, case, strategy, devices, ...")
+    args = parser.parse_args()
+    results = {}
+    for spec in json.loads(args.runs):
+        results[spec["name"]] = run(spec, args.root)
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0 and results and all(results.values()):
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
