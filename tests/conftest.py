@@ -1,8 +1,77 @@
+import json
+import os
+import sys
+
 import pytest
 import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# -- tests/lm_app.py launches, shared by the tests of model styles and of user code ------------------
+# Each launch runs several fits in the same processes (one world size per launch), so the whole
+# comparison against DDP costs a handful of process start-ups. Runs: name -> the spec lm_app reads.
+def _spec(name, case, strategy, devices, **options):
+    return dict(name=name, case=case, strategy=strategy, devices=devices, **options)
+
+
+NOISE_EPOCHS = 20
+LM_LAUNCHES = {
+    "reference": [  # Lightning's DDP on one device
+        _spec("llama", "llama", "ddp", 1), _spec("gpt2", "gpt2", "ddp", 1), _spec("albert", "albert", "ddp", 1, clip=0.5),
+        _spec("tied_seq", "tied_seq", "ddp", 1, clip=0.5), _spec("sum", "sum", "ddp", 1),
+        _spec("denoise", "denoise", "ddp", 1, epochs=NOISE_EPOCHS),
+    ],
+    "world2": [
+        _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe"), _spec("gpt2_p2", "gpt2", "pipe", 2),
+        _spec("sum_p2", "sum", "pipe", 2, schedule="gpipe"),
+        _spec("denoise_p2", "denoise", "pipe", 2, schedule="gpipe", epochs=NOISE_EPOCHS),
+        _spec("diffusion_p2", "diffusion", "pipe", 2), _spec("mixup_p2", "mixup", "pipe", 2, schedule="gpipe"),
+        _spec("llama_ddp2", "llama", "ddp", 2),
+    ],
+    "world3": [
+        _spec("llama_p3", "llama", "pipe", 3), _spec("albert_p3", "albert", "pipe", 3, clip=0.5),
+        _spec("tied_seq_p3", "tied_seq", "pipe", 3, schedule="gpipe", clip=0.5),
+        _spec("denoise_p3", "denoise", "pipe", 3, epochs=NOISE_EPOCHS),
+    ],
+    "world4": [
+        _spec("llama_p4", "llama", "pipe", 4, checkpoint="always", microbatches=4),
+        _spec("gpt2_p4", "gpt2", "pipe", 4, schedule="gpipe", microbatches=4),
+        _spec("llama_2x2", "llama", "pipe", 4, pipe_size=2),
+        _spec("denoise_2x2", "denoise", "pipe", 4, pipe_size=2, epochs=NOISE_EPOCHS),
+    ],
+}
+
+
+def launch_lm_app(tmp_path_factory, name, runs, expect_failure=False, timeout=420):
+    """Run tests/lm_app.py with ``runs``; return (what rank 0 saved, the root folder, the output)."""
+    from tests.test_scaling import Launch, _env
+
+    root = tmp_path_factory.mktemp(f"lm_{name}")
+    out = root / "result.pt"
+    cmd = [sys.executable, os.path.join(HERE, "lm_app.py"), "--root", str(root), "--out", str(out), "--runs",
+           json.dumps(runs)]
+    codes, seconds, survivors, (output,) = Launch(root, [cmd], _env()).finish(timeout)
+    if expect_failure:
+        return codes[0], seconds, survivors, output
+    assert codes == [0] and not survivors, f"{name} -> {codes}, survivors {survivors}:\n{output[-6000:]}"
+    return torch.load(out, weights_only=False), root, output
+
+
+@pytest.fixture(scope="session")
+def lm_runs(tmp_path_factory):
+    """Every run of LM_LAUNCHES by name, launched on first use; ``root`` and ``output`` per launch too."""
+    cache = {}
+
+    def get(launch):
+        if launch not in cache:
+            cache[launch] = launch_lm_app(tmp_path_factory, launch, LM_LAUNCHES[launch])
+        return cache[launch]
+
+    return get

@@ -1,0 +1,142 @@
+"""The body stand-ins in one process: what the user's loop sees, and the calls they refuse."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import BodyCallError
+from lightning_pipe.lightning.body import BodyReached, PipelinedSequential
+from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList, join_call, split_call
+
+
+class Block(nn.Module):
+    def __init__(self, returns_tuple: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.returns_tuple = returns_tuple
+        self.kind = "full_attention"
+
+    def forward(self, x, scale=None, mask=None, flag=True):
+        y = torch.tanh(self.linear(x)) * (scale if scale is not None else 1) + (mask.sum() if mask is not None else 0)
+        return (y, None) if self.returns_tuple else y
+
+
+def stand_in(start=0, stop=2, blocks=None, num_stages=2, stage_index=0):
+    blocks = blocks or [Block() for _ in range(4)]
+    return PipelinedLayerList(blocks, start, stop, stage_index, num_stages, CallChannel(None)), blocks
+
+
+def test_split_and_join_restore_the_call():
+    mask, scale = torch.ones(2), torch.tensor(2.0)
+    structure, tensors = split_call((scale,), {"mask": mask, "cos_sin": (mask, scale), "flag": False, "cache": None})
+    assert len(tensors) == 2 and tensors[0] is scale and tensors[1] is mask
+    args, kwargs = join_call(structure, tensors)
+    assert args[0] is scale and kwargs["mask"] is mask and kwargs["cos_sin"] == (mask, scale)
+    assert kwargs["flag"] is False and kwargs["cache"] is None
+
+
+def test_the_stand_in_behaves_like_the_list_for_the_loop():
+    layers, blocks = stand_in(1, 3)
+    assert len(layers) == 4
+    assert [name for name, _ in layers.named_children()] == ["1", "2"]  # only this stage's blocks
+    assert list(layers.state_dict())[0] == "1.linear.weight"  # under their original names
+    assert [p._index for p in layers] == [0, 1, 2, 3]
+    assert [p._index for p in layers[:3]] == [0, 1, 2] and layers[-1]._index == 3
+    assert [i for i, _ in enumerate(layers[1:])] == [0, 1, 2]
+    assert layers[3].kind == "full_attention"  # attributes of blocks of other stages are readable
+    with pytest.raises(IndexError):
+        layers[4]
+
+
+def test_the_first_stage_runs_its_blocks_on_the_first_call_and_stops_the_step():
+    layers, blocks = stand_in(0, 2)
+    x, scale = torch.randn(3, 4), torch.tensor(0.5)
+    layers.begin_step("stop")
+    with pytest.raises(BodyReached) as reached:
+        for block in layers:
+            x2 = block(x, scale, flag=False)
+    hidden, sent_scale, key = reached.value.outputs
+    torch.testing.assert_close(hidden, blocks[1](blocks[0](x, scale), scale))
+    assert sent_scale is scale and key.dtype == torch.int64
+    last, _ = stand_in(2, 4, blocks, stage_index=1)
+    last.channel = layers.channel  # one store in a real job
+    (out,) = last(hidden, sent_scale, key)
+    torch.testing.assert_close(out, blocks[3](blocks[2](hidden, scale), scale))
+    assert "x2" not in locals()
+
+
+def _replace_step(layers, calls):
+    """Run a loop on the last stage in replace mode; ``calls(layers, x)`` is the user's loop."""
+    final = torch.randn(3, 4)
+    layers.begin_step("replace", (final,))
+    out = calls(layers, torch.randn(3, 4))
+    layers.end_step("training_step", "layers")
+    return out, final
+
+
+def test_the_last_stage_returns_the_pipeline_output_to_the_loop():
+    layers, _ = stand_in(2, 4, stage_index=1)
+    mask = torch.ones(2)
+
+    def loop(layers, x):
+        for block in layers:
+            x = block(x, mask=mask)
+        return x
+
+    out, final = _replace_step(layers, loop)
+    assert out is final
+
+
+@pytest.mark.parametrize("loop, message", [
+    (lambda layers, x: [block(x, torch.tensor(float(i))) for i, block in enumerate(layers)],
+     "called block 1 of `self.layers` with other extra arguments than block 0"),
+    (lambda layers, x: [block(x) for block in list(layers) * 2], r"in the order \[0, 1, 2, 3, 0, 1, 2, 3\]"),
+    (lambda layers, x: [block(x) for block in layers[:3]], r"in the order \[0, 1, 2\]; .* every block once"),
+])
+def test_loops_a_pipeline_cannot_reproduce_are_refused(loop, message):
+    layers, _ = stand_in(2, 4, stage_index=1)
+    with pytest.raises(BodyCallError, match=message):
+        _replace_step(layers, loop)
+
+
+def test_blocks_must_start_at_zero_take_the_hidden_state_first_and_return_it():
+    layers, _ = stand_in(0, 2)
+    layers.begin_step("stop")
+    with pytest.raises(BodyCallError, match="first block call went to block 1"):
+        layers[1](torch.randn(2, 4))
+    with pytest.raises(BodyCallError, match="without a tensor as its first positional argument"):
+        layers[0](x=torch.randn(2, 4))
+
+    class AuxLoss(Block):
+        def forward(self, x):
+            return x, x.pow(2).mean()  # a per-block auxiliary loss cannot cross stages
+
+    layers, _ = stand_in(0, 2, [AuxLoss() for _ in range(4)])
+    layers.begin_step("stop")
+    with pytest.raises(BodyCallError, match="only the hidden state crosses stages"):
+        layers[0](torch.randn(2, 4))
+
+
+def test_tuple_returning_blocks_pass_the_hidden_state_and_the_final_tuple_reaches_the_loop():
+    blocks = [Block(returns_tuple=True) for _ in range(4)]
+    whole, _ = stand_in(0, 4, blocks, num_stages=1)
+    whole.begin_step("local")
+    x = torch.randn(2, 4)
+    out = x
+    for block in whole:
+        out = block(out)[0]
+    last, _ = stand_in(2, 4, blocks, stage_index=1)
+    assert isinstance(last.run_blocks(x, (), {}), tuple)  # the final block's whole return value
+
+
+def test_a_sequential_body_called_twice_in_one_step_is_refused():
+    body = PipelinedSequential(OrderedDict(a=nn.Linear(2, 2)), False, 1, 2)
+    body.begin_step("replace", (torch.zeros(1, 2),))
+    body(torch.ones(1, 2))
+    body(torch.ones(1, 2))
+    with pytest.raises(BodyCallError, match=r"called the body `self.body` 2 times in one step"):
+        body.end_step("training_step", "body")

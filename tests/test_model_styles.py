@@ -1,0 +1,90 @@
+"""Models written the way model libraries write them, under PipeStrategy, against Lightning's DDP.
+
+The runs are tests/lm_app.py launches shared through ``lm_runs`` (tests/conftest.py); the models
+(a Llama-style layer list with keyword arguments and rotary tables, a GPT-2-style list called
+with positional arguments and returning tuples, ALBERT-style blocks shared across stages, an
+``nn.Sequential`` with its head tied to its embedding) are described in tests/lm_app.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import launch_lm_app
+
+
+def assert_same_training(got, want):
+    """Weights, every logged value, callback metrics and steps of two runs agree."""
+    assert got["state_dict"].keys() == want["state_dict"].keys()
+    for key, value in want["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+    assert len(got["csv"]) == len(want["csv"])
+    for row_got, row_want in zip(got["csv"], want["csv"]):
+        assert row_got.keys() == row_want.keys()
+        for key, value in row_want.items():
+            if value == "" or row_got[key] == "":
+                assert row_got[key] == value, (key, row_got, row_want)
+            else:
+                torch.testing.assert_close(float(row_got[key]), float(value), rtol=1e-9, atol=1e-12,
+                                           msg=lambda m: f"logged {key}: {m}")
+    assert got["callback_metrics"].keys() == want["callback_metrics"].keys()
+    for key, value in want["callback_metrics"].items():
+        torch.testing.assert_close(got["callback_metrics"][key], value, msg=lambda m: f"{key}: {m}")
+    assert got["global_step"] == want["global_step"]
+
+
+@pytest.mark.parametrize("launch, name, reference", [
+    ("world2", "llama_p2", "llama"),  # GPipe, 2 stages
+    ("world3", "llama_p3", "llama"),  # 1F1B, 3 stages
+    ("world4", "llama_p4", "llama"),  # 1F1B, 4 stages, checkpoint="always"
+    ("world2", "gpt2_p2", "gpt2"),  # 1F1B
+    ("world4", "gpt2_p4", "gpt2"),  # GPipe
+    ("world3", "albert_p3", "albert"),  # one block on every stage, clipped by the global norm
+    ("world3", "tied_seq_p3", "tied_seq"),  # nn.Sequential body, tie from its first to its last stage
+])
+def test_model_style_trains_as_under_ddp(lm_runs, launch, name, reference):
+    assert_same_training(lm_runs(launch)[0][name], lm_runs("reference")[0][reference])
+
+
+def test_two_stages_times_two_replicas_equal_ddp_on_two_devices(lm_runs):
+    results = lm_runs("world4")[0]
+    assert_same_training(results["llama_2x2"], lm_runs("world2")[0]["llama_ddp2"])
+
+
+def test_the_summary_names_the_layer_list_and_the_ties(lm_runs):
+    _, _, output = lm_runs("world3")
+    assert "body `layers`" in output and "body `h`" in output and "body `body`" in output
+    # ALBERT: the shared block's weights on every stage, and the head tied to the embedding
+    assert "kept in sync: ['h.0.attn.out.bias'," in output and "'wte.weight']" in output
+
+
+@pytest.mark.parametrize("launch, name, tied", [
+    ("world3", "albert_p3", [("wte.weight", "lm_head.weight"), ("h.0.mlp.0.weight", "h.2.mlp.0.weight")]),
+    ("world3", "tied_seq_p3", [("body.0.weight", "body.5.weight")]),
+])
+def test_tied_checkpoints_hold_one_copy_and_load_into_the_plain_module(lm_runs, launch, name, tied):
+    from tests.lm_app import CASES
+
+    result = lm_runs(launch)[0][name]
+    checkpoint = torch.load(result["last_model_path"], weights_only=False)["state_dict"]
+    model = CASES[name.rsplit("_", 1)[0]][0]().double()
+    assert list(checkpoint) == list(model.state_dict())
+    for first, second in tied:
+        assert checkpoint[first].untyped_storage().data_ptr() == checkpoint[second].untyped_storage().data_ptr()
+    model.load_state_dict(checkpoint)  # strict
+    for first, second in tied:
+        assert model.get_parameter(first) is model.get_parameter(second)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, result["state_dict"][key], msg=lambda m: f"{key}: {m}")
+
+
+def test_a_loop_giving_blocks_other_arguments_fails_on_every_rank_within_seconds(tmp_path_factory):
+    code, seconds, survivors, output = launch_lm_app(
+        tmp_path_factory, "bad_args", [dict(name="bad", case="bad_args", strategy="pipe", devices=2)],
+        expect_failure=True, timeout=120,
+    )
+    assert code != 0 and not survivors, (survivors, output[-4000:])
+    assert seconds < 90, seconds
+    assert "BodyCallError: training_step called block 1 of `self.layers` with other extra arguments" in output
+    assert "because another rank failed: [pp_rank 1 | step 0 | 1F0] BodyCallError" in output, output[-4000:]

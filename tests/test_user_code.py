@@ -1,0 +1,175 @@
+"""The user's step under PipeStrategy: random draws, loss reductions, side effects, what hooks see.
+
+The runs are tests/lm_app.py launches shared through ``lm_runs`` (tests/conftest.py). Stage 0 and
+the last stage both run the step's code before the body; ``draws_<run>_<rank>.pt`` holds what each
+rank's step drew there, microbatch by microbatch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pipe import ConfigurationError
+from lightning_pipe.lightning.effects import StepEffects
+from lightning_pipe.lightning.logs import combine_stages
+from lightning_pipe.lightning.losses import LossAccount, merge
+from tests.conftest import launch_lm_app
+from tests.test_model_styles import assert_same_training
+
+
+def _final_loss(result):
+    return float([row["train_loss"] for row in result["csv"] if row.get("train_loss")][-1])
+
+
+# -- 1, 2: one draw per microbatch, the same on every stage that runs the step ------------------
+@pytest.mark.parametrize("launch, name, first, last", [
+    ("world2", "denoise_p2", [0], [1]),  # GPipe
+    ("world3", "denoise_p3", [0], [2]),  # 1F1B
+    ("world4", "denoise_2x2", [0, 1], [2, 3]),  # replica r: stage 0 on rank r, stage 1 on rank 2 + r
+    ("world2", "diffusion_p2", [0], [1]),  # noise and timesteps before the body
+    ("world2", "mixup_p2", [0], [1]),  # mixing weight and permutation before the body, targets mixed after
+])
+def test_the_first_and_last_stage_draw_the_same_numbers_for_every_microbatch(lm_runs, launch, name, first, last):
+    _, root, _ = lm_runs(launch)
+    for a, b in zip(first, last):
+        drawn_first = torch.load(root / f"draws_{name}_{a}.pt")
+        drawn_last = torch.load(root / f"draws_{name}_{b}.pt")
+        assert len(drawn_first) == len(drawn_last) > 0
+        assert drawn_first == drawn_last
+        assert len({tuple(d) for d in drawn_first}) == len(drawn_first)  # and each microbatch draws anew
+
+
+@pytest.mark.parametrize("launch, name", [("world2", "denoise_p2"), ("world3", "denoise_p3"), ("world4", "denoise_2x2")])
+def test_a_body_that_must_reproduce_noise_drawn_in_the_step_learns_as_under_ddp(lm_runs, launch, name):
+    """Regression: the first and last stage drew different noise (dropout in the body consumed the
+    generators differently), so the body's input and the loss's target differed: loss 1.20 vs 0.024."""
+    reference = _final_loss(lm_runs("reference")[0]["denoise"])
+    got = _final_loss(lm_runs(launch)[0][name])
+    assert reference < 0.1, reference
+    assert got < 2 * reference + 0.02, (got, reference)
+
+
+# -- 5: how microbatch losses combine ------------------------------------------------------------
+def test_a_sum_reduced_loss_under_loss_reduction_sum_equals_ddp(lm_runs):
+    """Regression: the sum over each microbatch was averaged, so the gradient was 1/m of DDP's."""
+    assert_same_training(lm_runs("world2")[0]["sum_p2"], lm_runs("reference")[0]["sum"])
+
+
+def test_a_token_mean_loss_declared_with_num_items_equals_ddp(lm_runs):
+    """The microbatches hold different numbers of tokens; weighted by num_items they add up to DDP's loss."""
+    from tests.lm_app import token_data
+
+    _, labels = token_data()[:8]
+    counts = [int((part != -100).sum()) for part in torch.tensor_split(labels, 3)]
+    assert len(set(counts)) > 1, counts  # the size-weighted mean would be wrong here
+    assert_same_training(lm_runs("world2")[0]["llama_p2"], lm_runs("reference")[0]["llama"])
+
+
+def test_the_loss_account_checks_what_it_can():
+    account = LossAccount([2, 1], "mean")
+    account.add(0, torch.tensor(1.0), {"loss": torch.tensor(1.0), "num_items": torch.tensor(4)})
+    with pytest.raises(ConfigurationError, match="'num_items' for some microbatches and not for others"):
+        account.add(1, torch.tensor(1.0), torch.tensor(1.0))
+    with pytest.raises(ConfigurationError, match="under PipeStrategy\\(loss_reduction='sum'\\)"):
+        LossAccount([2], "sum").add(0, torch.tensor(1.0), {"loss": torch.tensor(1.0), "num_items": 3})
+    with pytest.raises(ConfigurationError, match="must be a non-negative number"):
+        LossAccount([2], "mean").add(0, torch.tensor(1.0), {"loss": torch.tensor(1.0), "num_items": -1})
+    empty = LossAccount([2, 2], "mean")
+    root = empty.add(0, torch.tensor(float("nan"), requires_grad=True), {"loss": torch.tensor(0.0), "num_items": 0})
+    assert root.item() == 0.0 and root.requires_grad  # a microbatch with no item adds nothing, and no NaN
+    empty.add(1, torch.tensor(2.0), {"loss": torch.tensor(2.0), "num_items": 5})
+    assert empty.normalizer() == 5.0 and empty.log_weights() == [0.0, 5.0]
+
+
+def test_step_results_merge_like_one_step_over_the_batch():
+    parts = [{"preds": torch.zeros(2), "acc": torch.tensor(1.0), "num_items": torch.tensor(3), "ids": ["a", "b"]},
+             {"preds": torch.ones(1), "acc": torch.tensor(0.0), "num_items": torch.tensor(1), "ids": ["c"]}]
+    merged = merge(parts, [2.0, 1.0])
+    assert merged["preds"].tolist() == [0.0, 0.0, 1.0] and merged["ids"] == ["a", "b", "c"]
+    torch.testing.assert_close(merged["acc"], torch.tensor(2 / 3))
+    assert int(merged["num_items"]) == 4
+
+
+# -- 3: side effects of the step -----------------------------------------------------------------
+def test_a_counter_in_the_step_is_warned_about_once(lm_runs):
+    _, _, output = lm_runs("world2")
+    assert output.count("training_step changed `self.steps_seen`") == 1, output[-3000:]
+
+
+def test_an_ema_teacher_updated_in_the_step_is_refused_on_every_rank(tmp_path_factory):
+    code, seconds, survivors, output = launch_lm_app(
+        tmp_path_factory, "ema", [dict(name="ema", case="ema", strategy="pipe", devices=2)],
+        expect_failure=True, timeout=120,
+    )
+    assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
+    assert "SideEffectError: training_step changed ['teacher.0.weight'," in output, output[-4000:]
+    assert "Move it to a hook that runs once per batch on every rank" in output
+    assert output.count("SideEffectError") >= 2  # the rank that found it and the one it stopped
+
+
+def test_step_effects_tell_state_built_in_the_step_from_side_effects():
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(2)
+            self.register_buffer("queue", torch.zeros(3))
+            self.scores = []
+
+    module = Module()
+    effects = StepEffects(module, num_microbatches=2)
+    snapshot = effects.before("validation_step")
+    module.scores.append(1)
+    module.norm(torch.randn(4, 2))  # a submodule's own statistics: allowed
+    effects.after("validation_step", snapshot, last_stage=True)
+    assert effects.built == {"scores"} and effects.shared_state() == {"scores": [1]}
+    snapshot = effects.before("training_step")
+    module.queue[0] = 1.0  # a buffer of the module itself, changed by the step
+    with pytest.raises(Exception, match=r"changed \['queue'\] in place"):
+        effects.after("training_step", snapshot, last_stage=False)
+
+
+# -- 6: what hooks and callbacks see -------------------------------------------------------------
+@pytest.mark.parametrize("launch, name", [("world2", "llama_p2"), ("world3", "llama_p3")])
+def test_on_train_batch_end_receives_the_steps_whole_outputs(lm_runs, launch, name):
+    """Regression: rank 0 got only the loss; DDP passes the step's whole dict."""
+    got, want = lm_runs(launch)[0][name]["outputs"], lm_runs("reference")[0]["llama"]["outputs"]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() == {"loss", "num_items", "preds"}
+        torch.testing.assert_close(g["loss"], w["loss"])
+        assert torch.equal(g["preds"], w["preds"]) and int(g["num_items"]) == int(w["num_items"])
+
+
+@pytest.mark.parametrize("launch, name", [("world2", "llama_p2"), ("world3", "llama_p3")])
+def test_grad_norm_logged_before_the_optimizer_step_covers_the_whole_model(lm_runs, launch, name):
+    """Regression: grad_norm(self, 2) logged stage 0's own norm (0.059) where DDP logs 0.247."""
+    got, want = lm_runs(launch)[0][name]["csv"], lm_runs("reference")[0]["llama"]["csv"]
+    names = [k for k in want[0] if k.startswith("grad_2.0_norm")]
+    assert "grad_2.0_norm_total" in names and "grad_2.0_norm/layers.3.mlp.2.weight" in names
+    for row_got, row_want in zip(got, want):
+        for key in names:
+            torch.testing.assert_close(float(row_got[key]), float(row_want[key]), rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("launch, name", [("world2", "llama_p2"), ("world3", "llama_p3")])
+def test_an_epoch_metric_from_lists_built_in_validation_step_equals_ddp(lm_runs, launch, name):
+    """Regression: the lists existed only on the last stage; rank 0 logged nan."""
+    got, want = lm_runs(launch)[0][name], lm_runs("reference")[0]["llama"]
+    value = got["callback_metrics"]["val_token_accuracy"]
+    assert not torch.isnan(value)
+    torch.testing.assert_close(value, want["callback_metrics"]["val_token_accuracy"])
+
+
+def test_logs_of_several_stages_combine_per_name():
+    stage0 = [{"name": "grad_2.0_norm/a", "value": torch.tensor(3.0)}, {"name": "grad_2.0_norm_total", "value": 3.0},
+              {"name": "lr", "value": 0.1}]
+    stage1 = [{"name": "grad_2.0_norm/b", "value": torch.tensor(4.0)}, {"name": "grad_2.0_norm/c", "value": torch.tensor(3.0)},
+              {"name": "grad_2.0_norm_total", "value": 4.0}, {"name": "lr", "value": 0.1}, {"name": "mine", "value": 2.0}]
+    stage1[1]["name"] = "grad_2.0_norm/a2"  # a tied copy of "a", known on stage 1 under another name
+    calls, disagree = combine_stages([stage0, stage1], {"a2": "a"}, ["a", "b", "c"])
+    by_name = {c["name"]: c["value"] for c in calls}
+    assert by_name["grad_2.0_norm_total"].item() == 5.0  # sqrt(3^2 + 4^2), the tied copy counted once
+    assert by_name["lr"] == 0.1 and by_name["mine"] == 2.0 and disagree == []
