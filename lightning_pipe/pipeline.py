@@ -101,7 +101,7 @@ class Pipeline:
         self.skip_layout = self._skip_layout(module)
         device = device if device is not None else _device_of(module, self.group)
         self.stage = Stage(module, self._stage_index, self._num_stages, checkpoint, device)
-        self.ties = TiedGradients(getattr(module, TIES_ATTRIBUTE, ()), module, self._stage_index, self.group, device)
+        self.ties = TiedGradients(getattr(module, TIES_ATTRIBUTE, ()), module, self._stage_index, self.group)
         # Private API: the default store is the one place every rank already shares without a new
         # rendezvous; the error channel needs exactly that.
         store = dist.distributed_c10d._get_default_store()

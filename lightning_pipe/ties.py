@@ -26,15 +26,11 @@ class Tie:
 
     Attributes:
         names: every name, the first being the one ``named_parameters()`` reports (canonical).
-        stages: the stages that hold a copy, in increasing order.
-        shape: the parameter's shape (stages without a copy add zeros of it).
-        dtype: its dtype.
+        stages: the stages (pipeline ranks) that hold a copy, in increasing order.
     """
 
     names: Tuple[str, ...]
     stages: Tuple[int, ...]
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
 
     @property
     def owner(self) -> int:
@@ -53,14 +49,10 @@ def find_ties(module: nn.Module, stages_of: Callable[[str], Iterable[int]]) -> L
         >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
         >>> model[1].weight = model[0].weight
         >>> find_ties(model, lambda name: [int(name[0])])
-        [Tie(names=('0.weight', '1.weight'), stages=(0, 1), shape=(5, 3), dtype=torch.float32)]
+        [Tie(names=('0.weight', '1.weight'), stages=(0, 1))]
     """
-    ties = []
-    for names in find_shared_parameters(module):
-        parameter = module.get_parameter(names[0])
-        stages = sorted({s for name in names for s in stages_of(name)})
-        ties.append(Tie(tuple(names), tuple(stages), tuple(parameter.shape), parameter.dtype))
-    return ties
+    return [Tie(tuple(names), tuple(sorted({s for name in names for s in stages_of(name)})))
+            for names in find_shared_parameters(module)]
 
 
 def aliases(ties: Sequence[Tie]) -> Dict[str, str]:
@@ -69,44 +61,49 @@ def aliases(ties: Sequence[Tie]) -> Dict[str, str]:
 
 
 class TiedGradients:
-    """Sums the gradients of tied parameters over the stages of a pipeline.
+    """Sums the gradients of tied parameters over the stages that hold them.
+
+    Only the holders of a tie take part in its sum: over the pipeline's group when every stage
+    holds it, else over a group of the holders (created here, by the holders only, in the order
+    of ``ties``, which every rank computes alike).
 
     Args:
         ties: the model's ties (only those held by several stages need work).
         module: this stage's module, holding its copies under the model's names.
         stage_index: this stage.
-        group: the pipeline's process group.
-        device: where stages without a copy build their zeros.
+        group: the pipeline's process group (None: the world).
     """
 
-    def __init__(self, ties: Sequence[Tie], module: nn.Module, stage_index: int, group: Optional[dist.ProcessGroup],
-                 device: torch.device) -> None:
+    def __init__(self, ties: Sequence[Tie], module: nn.Module, stage_index: int,
+                 group: Optional[dist.ProcessGroup]) -> None:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        groups: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
         self.ties = [tie for tie in ties if len(tie.stages) > 1]
-        self.group = group
-        self.device = device
-        self.local: List[Optional[nn.Parameter]] = [
-            _local_parameter(module, tie) if stage_index in tie.stages else None for tie in self.ties
-        ]
+        self.local: List[Tuple[nn.Parameter, Optional[dist.ProcessGroup]]] = []
+        for tie in self.ties:
+            if stage_index not in tie.stages:
+                continue
+            if tie.stages not in groups:
+                groups[tie.stages] = group if len(tie.stages) == len(ranks) else dist.new_group(
+                    [ranks[s] for s in tie.stages], use_local_synchronization=True)
+            self.local.append((_local_parameter(module, tie), groups[tie.stages]))
 
     def __bool__(self) -> bool:
         return bool(self.ties)
 
     def parameters(self) -> List[nn.Parameter]:
-        return [p for p in self.local if p is not None]
+        return [p for p, _ in self.local]
 
     def sum_(self, grads: Optional[Dict[nn.Parameter, Optional[torch.Tensor]]] = None) -> None:
-        """Replace each local copy's gradient by the sum over the stages (a collective per tie).
+        """Replace each local copy's gradient by the sum over its holders (a collective per tie).
 
         With ``grads`` (gradients set aside, by parameter) the sums are taken over those instead.
         """
-        for tie, p in zip(self.ties, self.local):
-            grad = None if p is None else (grads.get(p) if grads is not None else p.grad)
+        for p, group in self.local:
+            grad = grads.get(p) if grads is not None else p.grad
             if grad is None:
-                device = p.device if p is not None else self.device
-                grad = torch.zeros(tie.shape, dtype=tie.dtype, device=device)
-            dist.all_reduce(grad, group=self.group)
-            if p is None:
-                continue
+                grad = torch.zeros_like(p)
+            dist.all_reduce(grad, group=group)
             if grads is not None:
                 grads[p] = grad
             else:

@@ -106,13 +106,12 @@ class SplitModel:
         return self.aliases.get(name, name)
 
     # -- ownership -------------------------------------------------------------------------------
-    def learn_usage(self, used_per_stage: Sequence[Sequence[str]], parameters: Dict[str, nn.Parameter]) -> List[Tie]:
+    def learn_usage(self, used_per_stage: Sequence[Sequence[str]]) -> List[Tie]:
         """Owners of the parameters outside the body, from the stages that computed their gradients.
 
         Args:
             used_per_stage: per stage, the canonical names of the parameters outside the body that
                 got a gradient in the first step.
-            parameters: the module's parameters by canonical name.
 
         Returns:
             The parameters that several stages computed gradients for and that are not tied by
@@ -124,10 +123,7 @@ class SplitModel:
                 stages.setdefault(name, []).append(s)
         self.owner = {n: min(s) for n, s in stages.items()}
         tied = {name for tie in self.ties for name in tie.names}
-        return [
-            Tie((name,), tuple(where), tuple(parameters[name].shape), parameters[name].dtype)
-            for name, where in sorted(stages.items()) if len(where) > 1 and name not in tied
-        ]
+        return [Tie((name,), tuple(where)) for name, where in sorted(stages.items()) if len(where) > 1 and name not in tied]
 
     def owner_of(self, name: str) -> int:
         """The stage whose copy of a parameter or state-dict entry is authoritative."""

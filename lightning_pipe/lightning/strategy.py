@@ -268,9 +268,8 @@ class PipeStrategy(DDPStrategy):
         used = [split.canonical(n) for n, p in module.named_parameters() if split.layer_of(n) is None and p.grad is not None]
         per_stage: List[Any] = [None] * self.pp_size
         dist.all_gather_object(per_stage, used, group=self.pp_group)
-        parameters = {split.canonical(n): p for n, p in module.named_parameters(remove_duplicate=False)}
-        shared = split.learn_usage(per_stage, parameters)
-        self._ties = TiedGradients(split.ties + shared, module, self.stage_index, self.pp_group, self.root_device)
+        shared = split.learn_usage(per_stage)
+        self._ties = TiedGradients(split.ties + shared, module, self.stage_index, self.pp_group)
         tied = sorted({tie.names[0] for tie in self._ties.ties})
         if tied:
             rank_zero_info(f"PipeStrategy: parameters used on several stages, kept in sync: {tied}")
