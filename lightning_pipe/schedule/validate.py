@@ -14,6 +14,7 @@ metadata per stage.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence, Tuple
 
 from lightning_pipe.errors import ScheduleError
@@ -32,7 +33,7 @@ _COMPUTE = frozenset(COMPUTE_KINDS)
 
 
 def _first_pass(tables: tuple) -> tuple:
-    """Index the compute actions (by rank, position) and find what one look at each shows."""
+    """Index the compute actions (by position in their row) and find what one look at each shows."""
     seen: dict = {}
     errors: list = []
     for r, row in enumerate(tables):
@@ -42,9 +43,10 @@ def _first_pass(tables: tuple) -> tuple:
                 continue
             if a[3] is not None:
                 a = Action(kind, a[1], a[2])
-            if a in seen:
+            size = len(seen)
+            seen[a] = j
+            if len(seen) == size:
                 errors.append((r, j, f"{a} appears twice"))
-            seen[a] = (r, j)
             if kind == F:
                 continue
             s, i = a[1], a[2]
@@ -60,8 +62,8 @@ def _first_pass(tables: tuple) -> tuple:
     return seen, errors
 
 
-def _owners(tables: tuple, seen: dict) -> tuple:
-    """The rank of each stage (its first row), and an error for each action of a stage on another rank."""
+def _owners(tables: tuple) -> tuple:
+    """The rank of each stage (the first row that holds it), and an error per action of it elsewhere."""
     owner: dict = {}
     split = set()
     for r, row in enumerate(tables):
@@ -69,24 +71,19 @@ def _owners(tables: tuple, seen: dict) -> tuple:
             if owner.setdefault(s, r) != r:
                 split.add(s)
     errors = [(r, j, f"stage {a[1]} runs on rank {owner[a[1]]} and on rank {r}")
-              for a, (r, j) in seen.items() if a[1] in split and r != owner[a[1]]] if split else []
-    return owner, sorted(errors, key=lambda e: (e[0], e[1]))
+              for r, row in enumerate(tables) if split for j, a in enumerate(row)
+              if a[0] in _COMPUTE and a[1] in split and owner[a[1]] != r]
+    return owner, errors
 
 
 def _complete(seen: dict, owner: dict) -> bool:
     """Whether every stage and microbatch has its forward and backward: counted, so it is fast."""
-    num_stages = len(owner)
-    if sorted(owner) != list(range(num_stages)):
+    if not seen or sorted(owner) != list(range(len(owner))):
         return False
-    count = dict.fromkeys(COMPUTE_KINDS, 0)
-    num_microbatches = 0
-    for a in seen:
-        count[a[0]] += 1
-        if a[2] >= num_microbatches:
-            num_microbatches = a[2] + 1
-    grid = num_stages * num_microbatches
+    count = Counter(a[0] for a in seen)
+    grid = len(owner) * (1 + max(a[2] for a in seen))
     backwards = count[B] + count[I]
-    return count[F] == grid and backwards in (0, grid) and count[W] == count[I] and (backwards or not count[W])
+    return count[F] == grid and backwards in (0, grid) and count[W] == count[I]
 
 
 def _missing(seen: dict, owner: dict, tables: tuple) -> list:
@@ -120,9 +117,9 @@ def _same_rank_order(seen: dict, owner: dict) -> list:
                 (Action(F, s, i), Action(F, s - 1, i), "output"),
                 (_backward_of(seen, s - 1, i), _backward_of(seen, s, i), "input gradient"),
             ):
-                if consumer in seen and producer in seen and seen[consumer][1] < seen[producer][1]:
-                    errors.append((*seen[consumer], f"{consumer} runs before {producer}, "
-                                                    f"whose {what} it takes on the same rank"))
+                if consumer in seen and producer in seen and seen[consumer] < seen[producer]:
+                    errors.append((owner[s], seen[consumer], f"{consumer} runs before {producer}, "
+                                                              f"whose {what} it takes on the same rank"))
     return errors
 
 
@@ -133,7 +130,7 @@ def _backward_of(seen: dict, s: int, i: int) -> Action:
 def _check_compute(tables: tuple) -> tuple:
     """Check the compute actions; return each stage's rank."""
     seen, errors = _first_pass(tables)
-    owner, split = _owners(tables, seen)
+    owner, split = _owners(tables)
     errors = split + errors
     if errors or not _complete(seen, owner):
         errors += _missing(seen, owner, tables)

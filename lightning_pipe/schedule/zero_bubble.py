@@ -19,10 +19,11 @@ weight gradient, which nothing waits for, so ``W`` can move into what would be i
   ``W`` in the order of their ``I``. For ``m >= 2p - 1`` this is exactly the table the authors'
   scheduler (``zbv.PipelineGraph``) builds for ``F = I = W`` and free communication; with stages
   costing 1 per action, the makespan is ``6m + p - 1``: the ranks only idle in the start-up and
-  drain skew of ``p - 1`` actions (bubble ``(p - 1) / (6m + p - 1)``, half of ZB-H1's). The peak
-  is ``2p`` (stage, microbatch) pairs of half size: 1F1B's memory. Fewer microbatches are
-  allowed: the table is built for ``2p - 1`` and the actions of the missing microbatches dropped,
-  which stays valid with a somewhat larger bubble.
+  drain skew of ``p - 1`` actions (bubble ``(p - 1) / (6m + p - 1)``: half of ZB-H1's idle time).
+  The busiest rank holds ``2 * min(p, m)`` (stage, microbatch) pairs of half size: 1F1B's peak.
+  Fewer microbatches are allowed: the table is built for ``2p - 1`` and the actions of the
+  missing microbatches dropped, which stays valid with a somewhat larger bubble (never more
+  than 1F1B's).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def zb_h1(num_stages: int, num_microbatches: int) -> tuple:
     return tuple(tables)
 
 
+_new = tuple.__new__  # Action(...) without NamedTuple's argument handling: generation is hot
+
+
 class _Rank:
     """One rank's ZB-V row as it is built: counters per stage, and the ``W`` put off so far."""
 
@@ -74,21 +78,22 @@ class _Rank:
         self.row: list = []
 
     def forward(self, chunk: int) -> None:
-        self._emit(Action(F, self.stages[chunk], self.forwards[chunk]))
-        self.forwards[chunk] += 1
+        i = self.forwards[chunk]
+        self.forwards[chunk] = i + 1
+        self._emit(F, self.stages[chunk], i)
 
     def input(self, chunk: int) -> None:
         i = self.inputs[chunk]
-        self._emit(Action(I, self.stages[chunk], i))
-        self.pending.append(Action(W, self.stages[chunk], i))
-        self.inputs[chunk] += 1
+        self.inputs[chunk] = i + 1
+        self._emit(I, self.stages[chunk], i)
+        self.pending.append((self.stages[chunk], i))
 
     def weight(self) -> None:
-        self._emit(self.pending.popleft())
+        self._emit(W, *self.pending.popleft())
 
-    def _emit(self, action: Action) -> None:
-        if action.microbatch_index < self.num_microbatches:
-            self.row.append(action)
+    def _emit(self, kind: str, stage_index: int, microbatch_index: int) -> None:
+        if microbatch_index < self.num_microbatches:  # the microbatches past it only shape the table
+            self.row.append(_new(Action, (kind, stage_index, microbatch_index, None)))
 
 
 @gc_paused
