@@ -8,13 +8,17 @@ from lightning_pipe.errors import ConfigurationError, ScheduleError
 from lightning_pipe.schedule import (
     ALL_SCHEDULES,
     SCHEDULES,
+    forward_only,
     gpipe,
+    gpipe_forward,
     interleaved_1f1b,
     make_table,
     one_f_one_b,
     parse_table,
     placement,
+    simulate,
     stage_ranks,
+    validate,
     zb_h1,
     zbv,
 )
@@ -190,6 +194,19 @@ def test_make_table_builds_every_schedule_like_its_generator():
 def test_bad_arguments_raise_named_errors(args, match):
     with pytest.raises(ConfigurationError, match=match):
         make_table(*args)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_SCHEDULES))
+def test_forward_only_tables_keep_the_placement_and_validate(name):
+    v = 2 if ALL_SCHEDULES[name].stages_per_rank is None else None
+    for p, m in [(1, 1), (2, 3), (3, 5), (4, 2)]:
+        table = make_table(name, p, m, v)
+        forwards = forward_only(table)
+        assert stage_ranks(forwards) == stage_ranks(table), (name, p, m)
+        result = simulate(validate(forwards))
+        assert result.busy == (len(forwards[0]),) * p and max(result.peak_in_flight) <= len(forwards[0]), (name, p, m)
+    if name in SCHEDULES:
+        assert forward_only(make_table(name, 3, 4)) == gpipe_forward(3, 4)
 
 
 def test_configuration_errors_are_value_errors():

@@ -7,7 +7,7 @@ from lightning_pipe.schedule.interleaved import interleaved_1f1b
 from lightning_pipe.schedule.lower import lower
 from lightning_pipe.schedule.one_f_one_b import one_f_one_b
 from lightning_pipe.schedule.placement import placement, stage_ranks
-from lightning_pipe.schedule.registry import ALL_SCHEDULES, ScheduleSpec, make_table
+from lightning_pipe.schedule.registry import ALL_SCHEDULES, ScheduleSpec, forward_only, make_table
 from lightning_pipe.schedule.simulate import SimulationResult, simulate
 from lightning_pipe.schedule.validate import validate
 from lightning_pipe.schedule.zero_bubble import zb_h1, zbv
@@ -23,6 +23,7 @@ __all__ = [
     "SimulationResult",
     "format_rows",
     "format_table",
+    "forward_only",
     "gpipe",
     "gpipe_forward",
     "interleaved_1f1b",

@@ -2,7 +2,8 @@
 
 ``ALL_SCHEDULES`` maps a name to a :class:`ScheduleSpec`; :func:`make_table` builds any of them from
 ``(num_ranks, num_microbatches, virtual_stages)``, checking that ``virtual_stages`` fits the
-schedule. ``SCHEDULES`` (in the package) stays the subset the executor runs today.
+schedule, and :func:`forward_only` derives the evaluation table of the same placement.
+``SCHEDULES`` (in the package) stays the subset the executor runs today.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Callable, Optional
 
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.schedule._checks import check_positive
+from lightning_pipe.schedule.action import F
 from lightning_pipe.schedule.gpipe import gpipe
 from lightning_pipe.schedule.interleaved import interleaved_1f1b
 from lightning_pipe.schedule.one_f_one_b import one_f_one_b
@@ -94,3 +96,16 @@ def make_table(name: str, num_ranks: int, num_microbatches: int, virtual_stages:
     if spec.stages_per_rank is None:
         return spec.generator(num_ranks, num_microbatches, v)
     return spec.generator(num_ranks, num_microbatches)
+
+
+def forward_only(tables: tuple) -> tuple:
+    """Keep only the forwards of a table, in row order: evaluation on the same stage placement.
+
+    Dropping backwards only removes waits, so a valid table stays valid. Of a 1F1B table this is
+    ``gpipe_forward``'s.
+
+    Example:
+        >>> forward_only(make_table("zbv", 2, 2))
+        ((0F0, 0F1, 3F0, 3F1), (1F0, 2F0, 1F1, 2F1))
+    """
+    return tuple(tuple(a for a in row if a.kind == F) for row in tables)
