@@ -1,7 +1,11 @@
 """The action IR: what one rank does at one point of a schedule.
 
 An action is written compactly as ``"<stage><kind><microbatch>"``: ``"1F3"`` is the forward of
-microbatch 3 on stage 1. Compute kinds are ``F`` (forward) and ``B`` (backward). The lowering pass
+microbatch 3 on stage 1. Compute kinds are ``F`` (forward), ``B`` (the whole backward) and, for
+zero-bubble schedules, the backward in two parts: ``I`` (the gradient of the stage's input only,
+which the previous stage waits for) and ``W`` (the gradient of the stage's weights, run later to
+fill a bubble; it never communicates). A stage/microbatch has either one ``B`` or one ``I`` and a
+later ``W``. The lowering pass
 (:mod:`lightning_pipe.schedule.lower`) adds communication kinds: ``SF``/``RF`` send/receive a
 microbatch's activations, ``SB``/``RB`` its gradients, ``SS``/``RS`` its skip tensors (straight
 from the stashing stage to the popping stage) and ``SG``/``RG`` their gradients. A communication
@@ -16,6 +20,8 @@ from typing import NamedTuple, Optional
 
 F = "F"
 B = "B"
+I = "I"
+W = "W"
 SEND_F = "SF"
 RECV_F = "RF"
 SEND_B = "SB"
@@ -25,13 +31,14 @@ RECV_SKIP = "RS"
 SEND_SKIP_GRAD = "SG"
 RECV_SKIP_GRAD = "RG"
 
-COMPUTE_KINDS = (F, B)
+COMPUTE_KINDS = (F, B, I, W)
+BACKWARD_KINDS = (B, I)  # the kinds that receive output gradients and send input gradients
 SEND_KINDS = (SEND_F, SEND_B, SEND_SKIP, SEND_SKIP_GRAD)
 RECV_KINDS = (RECV_F, RECV_B, RECV_SKIP, RECV_SKIP_GRAD)
 COMM_KINDS = SEND_KINDS + RECV_KINDS
 KINDS = COMPUTE_KINDS + COMM_KINDS
 
-_PATTERN = re.compile(r"^(\d+)(SF|RF|SB|RB|SS|RS|SG|RG|F|B)(\d+)(?:@(\d+))?$")
+_PATTERN = re.compile(r"^(\d+)(SF|RF|SB|RB|SS|RS|SG|RG|F|B|I|W)(\d+)(?:@(\d+))?$")
 
 
 class Action(NamedTuple):
@@ -93,3 +100,22 @@ def parse_table(rows: "list[str]") -> tuple:
         ((0F0, 0B0),)
     """
     return tuple(tuple(Action.parse(token) for token in row.split()) for row in rows)
+
+
+def format_rows(tables: tuple, marks: "dict | None" = None) -> str:
+    """List each rank's row as written, with ``<-- ERROR HERE`` after marked actions.
+
+    Example:
+        >>> print(format_rows(parse_table(["0F0 0B0"]), {0: 1}))
+        rank 0: 0F0 0B0 <-- ERROR HERE
+    """
+    marks = marks or {}
+    lines = []
+    for r, row in enumerate(tables):
+        tokens = []
+        for j, a in enumerate(row):
+            tokens.append(str(a) + (" <-- ERROR HERE" if marks.get(r) == j else ""))
+        if marks.get(r) == len(row):
+            tokens.append("<-- ERROR HERE")
+        lines.append(f"rank {r}: " + " ".join(tokens))
+    return "\n".join(lines)

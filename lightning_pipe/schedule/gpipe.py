@@ -7,10 +7,12 @@ leaves exactly that microbatch un-checkpointed.
 
 from __future__ import annotations
 
-from lightning_pipe.schedule.action import B, F, Action
 from lightning_pipe.schedule._checks import check_grid
+from lightning_pipe.schedule._gc import gc_paused
+from lightning_pipe.schedule.action import B, F, Action
 
 
+@gc_paused
 def gpipe(num_stages: int, num_microbatches: int) -> tuple:
     """Return GPipe's compute actions, one tuple per rank (rank ``s`` runs stage ``s``).
 
@@ -26,6 +28,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> tuple:
     )
 
 
+@gc_paused
 def gpipe_forward(num_stages: int, num_microbatches: int) -> tuple:
     """Return the forward-only actions (evaluation, prediction) for every rank.
 

@@ -8,10 +8,12 @@ alternates one forward and one backward, then drains the remaining ``w`` backwar
 
 from __future__ import annotations
 
-from lightning_pipe.schedule.action import B, F, Action
 from lightning_pipe.schedule._checks import check_grid
+from lightning_pipe.schedule._gc import gc_paused
+from lightning_pipe.schedule.action import B, F, Action
 
 
+@gc_paused
 def one_f_one_b(num_stages: int, num_microbatches: int) -> tuple:
     """Return 1F1B's compute actions, one tuple per rank (rank ``s`` runs stage ``s``).
 
