@@ -8,6 +8,7 @@ and each stage's gradients are averaged over its replicas only.
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, Iterable, List, Mapping, Optional, Set
 
 import torch
@@ -63,10 +64,12 @@ def clip_by_global_norm(
     stage is scaled by the same factor.
     """
     params = [p for group_ in optimizer.param_groups for p in group_["params"] if p.grad is not None]
-    square = torch.zeros((), dtype=torch.float32, device=device)
+    # in the gradients' precision (at least float32), as clip_grad_norm_ computes it on one device
+    dtype = functools.reduce(torch.promote_types, (p.grad.dtype for p in params), torch.float32)
+    square = torch.zeros((), dtype=dtype, device=device)
     for p in params:
         if id(p) in owned:
-            square += torch.linalg.vector_norm(p.grad.float(), 2.0).to(device) ** 2
+            square += torch.linalg.vector_norm(p.grad, 2.0).to(device, dtype) ** 2
     dist.all_reduce(square, group=group)
     coefficient = torch.clamp(max_norm / (square.sqrt() + 1e-6), max=1.0)
     for p in params:

@@ -357,7 +357,7 @@ def run(spec: dict, root: str) -> dict:
         strategy = lightning_pipe.PipeStrategy(
             pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
             schedule=spec.get("schedule", "1f1b"), checkpoint=spec.get("checkpoint", "never"),
-            loss_reduction="sum" if spec["case"] == "sum" else "mean",
+            loss_reduction="sum" if spec["case"] == "sum" else "mean", body=spec.get("body"),
         )
     else:
         strategy = spec["strategy"]
