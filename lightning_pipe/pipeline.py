@@ -64,6 +64,9 @@ class Pipeline:
         device: where received tensors go; default: the module's device (NCCL: the current GPU).
         deferred_batch_norm: replace the stage's BatchNorms with :class:`DeferredBatchNorm`, whose
             running statistics are updated once per step as if the whole batch ran at once.
+        variable_messages: what stages send each other may change structure with the data (an
+            optional mask that is None in some microbatches); their shapes then travel with every
+            message instead of once, costing a small message each.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class Pipeline:
         timeout: timedelta = timedelta(minutes=30),
         device: Optional[torch.device] = None,
         deferred_batch_norm: bool = False,
+        variable_messages: bool = False,
     ) -> None:
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
@@ -88,6 +92,7 @@ class Pipeline:
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert_deferred_batch_norm(module)
         self.deferred_batch_norm = deferred_batch_norm
+        self.variable_messages = variable_messages
         self.module = module
         self.chunks = chunks
         self.batch_dim = batch_dim
@@ -154,7 +159,7 @@ class Pipeline:
         if self._stage_index == 0:
             microbatches = scatter(tuple(inputs), self.chunks, self.batch_dim)
             signature = (torch.is_grad_enabled(), _meta_signature(microbatches))
-            fresh = signature != self._signature
+            fresh = signature != self._signature or self.variable_messages
             self._signature = signature
             sizes = microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks)
             header = [len(microbatches), int(fresh), rng.draw_step_seed()] + sizes + [0] * (self.chunks - len(sizes))

@@ -317,11 +317,39 @@ class EmaInStep(NoiseBase):
         return F.mse_loss(self.body(x), target)
 
 
+class HFCausalLM(LMBase):
+    """A Hugging Face transformers model, built from a config (no download): its own layer loop."""
+
+    def __init__(self, family: str = "llama") -> None:
+        super().__init__()
+        import transformers
+
+        if family == "llama":
+            config = transformers.LlamaConfig(
+                vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=4,
+                num_attention_heads=HEADS, num_key_value_heads=1, max_position_embeddings=LENGTH,
+                tie_word_embeddings=True, attn_implementation="sdpa",
+            )
+            self.model = transformers.LlamaForCausalLM(config)
+        else:
+            config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_layer=4, n_head=HEADS, n_positions=LENGTH,
+                                             attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            self.model = transformers.GPT2LMHeadModel(config)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self.model(input_ids=tokens, attention_mask=(tokens != PAD).long(), use_cache=False).logits
+        loss, count = self._loss(logits, labels)
+        self.log("train_loss", loss)
+        return {"loss": loss, "num_items": count}
+
+
 CASES = {
     "llama": (LlamaStyle, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_args": (BadArgs, "tokens"),
-    "ema": (EmaInStep, "noise"),
+    "ema": (EmaInStep, "noise"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
+    "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"),
 }
 
 

@@ -36,7 +36,7 @@ from lightning_pipe.faults import report_job_error
 from lightning_pipe.lightning import hooks, logs
 from lightning_pipe.lightning.body import find_body
 from lightning_pipe.lightning.effects import StepEffects
-from lightning_pipe.lightning.layer_list import CallChannel
+from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
 from lightning_pipe.lightning.split import SplitModel
 from lightning_pipe.lightning.state import Checkpoints
@@ -196,6 +196,8 @@ class PipeStrategy(DDPStrategy):
             process_group=self.pp_group, schedule=self.schedule, timeout=self._timeout or default_pg_timeout,
             # the first stage checkpoints the body's layers itself (see FirstStage), never the user's step
             checkpoint=self.checkpoint if self.stage_index > 0 else "never", device=self.root_device,
+            # a block's extra arguments may be None in one microbatch and a tensor in the next
+            variable_messages=isinstance(self.split.stand_in, PipelinedLayerList),
         )
         self._pipeline.errors.watch_job = True  # replicas cannot go on once any rank failed
         self._effects.num_microbatches = m

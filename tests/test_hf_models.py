@@ -1,0 +1,43 @@
+"""Models from Hugging Face transformers, unchanged, under PipeStrategy (skipped without transformers).
+
+``pip install -e ".[hf]"`` installs it (no torchvision, no CUDA build of torch). The models are built
+from small configs, nothing is downloaded: ``LlamaForCausalLM`` (its decoder layers in a
+``ModuleList`` called in a sliced loop with keyword arguments: a mask that is None for microbatches
+without padding and a tensor otherwise, rotary ``position_embeddings``, ``position_ids``) and
+``GPT2LMHeadModel``, both with tied input and output embeddings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import launch_lm_app
+
+pytest.importorskip("transformers")
+
+RUNS = {
+    "reference": [dict(name=f"hf_{f}", case=f"hf_{f}", strategy="ddp", devices=1) for f in ("llama", "gpt2")],
+    "pipelined": [dict(name="hf_llama", case="hf_llama", strategy="pipe", devices=2),
+                  dict(name="hf_gpt2", case="hf_gpt2", strategy="pipe", devices=2, schedule="gpipe")],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return {name: launch_lm_app(tmp_path_factory, f"hf_{name}", specs)[0] for name, specs in RUNS.items()}
+
+
+@pytest.mark.parametrize("family, tolerance", [
+    ("gpt2", 1e-9),
+    # LlamaRMSNorm and the rotary tables compute in float32 even in a float64 model, so float64
+    # rounding differences (a tied gradient summed in another order) show up at float32's scale
+    ("llama", 1e-5),
+])
+def test_transformers_model_trains_as_under_ddp(runs, family, tolerance):
+    got, want = runs["pipelined"][f"hf_{family}"], runs["reference"][f"hf_{family}"]
+    for key, value in want["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][key], value, rtol=tolerance, atol=tolerance,
+                                   msg=lambda m: f"{key}: {m}")
+    losses = [[float(r["train_loss"]) for r in run["csv"] if r.get("train_loss")] for run in (got, want)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=tolerance, atol=0)
