@@ -68,7 +68,7 @@ def fit(tmp_path, *overrides):
     from examples.stdlib_lm.model import ByteLM
 
     model = ByteLM.load_from_checkpoint(checkpoints[0], map_location="cpu")
-    assert len(model.body) == 2
+    assert len(model.layers) == 2
     return output, log_dir
 
 

@@ -1,15 +1,18 @@
 """``ByteLM``: a small byte-level GPT-style language model as an ordinary LightningModule.
 
-The model is ``embed -> body -> head`` where ``body`` is an ``nn.Sequential`` of transformer
-blocks that each take and return one tensor. Nothing here knows about pipelining: under
-``PipeStrategy`` the body is found automatically and split across stages, ``embed`` runs on the
-first stage, ``head`` and the loss on the last. It is trained on the Python standard library's own
-sources (see :mod:`examples.stdlib_lm.data`).
+Written the way model libraries write decoder-only transformers: the blocks sit in an
+``nn.ModuleList`` that ``forward`` calls in a loop, with rotary position tables and a causal mask
+computed once before the loop and passed to every block. Nothing here knows about pipelining:
+under ``PipeStrategy`` the list is found automatically and split across stages, ``embed`` runs on
+the first stage, ``norm``, ``head`` and the loss on the last, and the rotary tables and the mask
+travel with the hidden state. It is trained on the Python standard library's own sources (see
+:mod:`examples.stdlib_lm.data`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,21 +23,25 @@ import lightning.pytorch as pl
 VOCAB_SIZE = 256  # bytes
 
 
-class Embedding(nn.Module):
-    """Token embedding plus a learned position embedding: ``(B, T)`` bytes to ``(B, T, d_model)``."""
+def rotary_tables(length: int, head_dim: int, device=None, base: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of rotary position embeddings, shape ``(1, 1, length, head_dim)``: no batch dimension."""
+    inverse = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inverse)
+    angles = torch.cat((angles, angles), dim=-1)[None, None]
+    return angles.cos(), angles.sin()
 
-    def __init__(self, d_model: int, max_len: int, vocab_size: int = VOCAB_SIZE) -> None:
-        super().__init__()
-        self.token = nn.Embedding(vocab_size, d_model)
-        self.position = nn.Embedding(max_len, d_model)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.token(tokens) + self.position(positions)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal self-attention then an MLP, each with a residual."""
+    """Pre-LayerNorm transformer block: causal self-attention then an MLP, each with a residual.
+
+    ``block(x, cos, sin, mask=mask)`` applies rotary tables and an explicit mask; ``block(x)``
+    alone is a plain causal block (what ``examples/plain_pipeline.py`` stacks in a Sequential).
+    """
 
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
@@ -49,13 +56,30 @@ class Block(nn.Module):
         self.fc_in = nn.Linear(d_model, mlp_ratio * d_model)
         self.fc_out = nn.Linear(mlp_ratio * d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(self.ln_attention(x)).split(width, dim=2)
         q, k, v = (t.view(batch, length, self.n_heads, width // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if cos is not None:
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           dropout_p=self.dropout if self.training else 0.0)
         x = x + self.projection(y.transpose(1, 2).reshape(batch, length, width))
         return x + self.fc_out(F.gelu(self.fc_in(self.ln_mlp(x))))
+
+
+class Embedding(nn.Module):
+    """Token embedding plus a learned position embedding: ``(B, T)`` bytes to ``(B, T, d_model)``."""
+
+    def __init__(self, d_model: int, max_len: int, vocab_size: int = VOCAB_SIZE) -> None:
+        super().__init__()
+        self.token = nn.Embedding(vocab_size, d_model)
+        self.position = nn.Embedding(max_len, d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.token(tokens) + self.position(positions)
 
 
 class Head(nn.Module):
@@ -83,9 +107,9 @@ class ByteLM(pl.LightningModule):
 
     Args:
         d_model: width of the residual stream.
-        n_layers: transformer blocks in ``self.body`` (the part a pipeline splits).
+        n_layers: transformer blocks in ``self.layers`` (the part a pipeline splits).
         n_heads: attention heads per block.
-        max_len: longest sequence (size of the position embedding); at least the data's ``seq_len``.
+        max_len: longest sequence; at least the data's ``seq_len``.
         dropout: attention dropout.
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay, applied to matrices only.
@@ -107,12 +131,20 @@ class ByteLM(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.embed = Embedding(d_model, max_len)
-        self.body = nn.Sequential(*[Block(d_model, n_heads, dropout=dropout) for _ in range(n_layers)])
+        self.embed = nn.Embedding(VOCAB_SIZE, d_model)
+        self.layers = nn.ModuleList([Block(d_model, n_heads, dropout=dropout) for _ in range(n_layers)])
         self.head = Head(d_model)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(self.embed(tokens)))
+        length = tokens.shape[1]
+        if length > self.hparams.max_len:
+            raise ValueError(f"sequences of {length} bytes are longer than max_len={self.hparams.max_len}")
+        cos, sin = rotary_tables(length, self.hparams.d_model // self.hparams.n_heads, tokens.device)
+        mask = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x, cos, sin, mask=mask)
+        return self.head(x)
 
     def _loss(self, batch) -> torch.Tensor:
         tokens, targets = batch
