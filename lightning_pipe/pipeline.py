@@ -279,7 +279,7 @@ class Pipeline:
         """Record the timeline of ``steps`` (default: every step from now on, the last ``keep`` kept).
 
         Steps are counted by the pipeline from 0; each ``forward_backward`` and ``forward`` call is
-        one. Every stage should record the same steps. Recording costs a few microseconds per
+        one. Every stage should record the same steps. Recording costs about a microsecond per
         action; when it is off (the default) the executor pays one ``is not None`` test per action.
         Export with :meth:`export_trace` and :meth:`save_timeline_png`, or gather the records with
         :meth:`gather_trace` for :func:`lightning_pipe.trace.pipeline_metrics`.

@@ -106,10 +106,11 @@ def chrome_trace(records: Sequence[StepRecord]) -> dict:
     origin = min(r.begin for r in records)
     events: List[dict] = []
     for rank in sorted({r.pp_rank for r in records}):
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"pp_rank {rank}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
+        meta = {"ph": "M", "pid": rank, "tid": _COMPUTE_TID, "ts": 0}
+        events.append({**meta, "name": "process_name", "args": {"name": f"pp_rank {rank}"}})
+        events.append({**meta, "name": "process_sort_index", "args": {"sort_index": rank}})
         for tid, name in ((_COMPUTE_TID, "compute"), (_COMM_TID, "communication")):
-            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
+            events.append({**meta, "name": "thread_name", "tid": tid, "args": {"name": name}})
     for record in records:
         events.extend(_rank_events(record, origin))
     events.extend(_flow_events(records, origin))
