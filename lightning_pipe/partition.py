@@ -3,17 +3,26 @@
 The local stage keeps the original child names (``nn.Sequential(OrderedDict(...))``), so its
 ``state_dict()`` keys are exactly the unpartitioned model's keys for those layers and checkpoints
 move between pipelined and plain runs without renaming.
+
+Balances come from a cost per layer: its parameter count, or, measured on a sample input, its
+forward and backward time (as torchgpipe's ``balance_by_time``), its memory, or its FLOPs counted
+on the meta device (for models that fit on no single device). Each picks the contiguous split
+whose most expensive stage is cheapest.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections import OrderedDict
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
-import torch  # noqa: F401  (the doctests use it)
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.errors import PartitionError
+from lightning_pipe.memory import ActivationMeter
 from lightning_pipe.ties import find_ties
 
 TIES_ATTRIBUTE = "_lightning_pipe_ties"  # the tied parameters of the model a stage was cut from
@@ -82,6 +91,182 @@ def balance_by_parameters(module: nn.Sequential, num_stages: int) -> List[int]:
         lambda j, i: allowed(j, i) and prefix[i] - prefix[j] <= largest,
     )
     return balance
+
+
+def balance_by_cost(costs: Sequence[float], num_stages: int) -> List[int]:
+    """Contiguous layer counts that minimise the most expensive stage, given each layer's cost.
+
+    Ties go to the most even split of layer counts.
+
+    Example:
+        >>> balance_by_cost([1, 1, 1, 1, 6, 2], 2)
+        [4, 2]
+    """
+    _check_sizes(len(costs), num_stages)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    largest, _ = _min_max_split(len(costs), num_stages, lambda j, i: prefix[i] - prefix[j], lambda j, i: True)
+    even = len(costs) / num_stages
+    _, balance = _min_max_split(
+        len(costs), num_stages, lambda j, i: abs((i - j) - even), lambda j, i: prefix[i] - prefix[j] <= largest
+    )
+    return balance
+
+
+def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> List[float]:
+    """The cost of each stage of ``balance``: ``stage_costs([1, 2, 3], [2, 1]) == [3, 3]``."""
+    return [sum(costs[start:stop]) for start, stop in split_points(balance)]
+
+
+def balance_by_time(module: nn.Sequential, sample_input: Any, num_stages: int, repeat: int = 5) -> List[int]:
+    """Balance by each layer's measured forward + backward time on ``sample_input`` (a microbatch).
+
+    See :func:`layer_times`; noisy machines call for a larger ``repeat``.
+    """
+    return balance_by_cost(layer_times(module, sample_input, repeat), num_stages)
+
+
+def balance_by_memory(module: nn.Sequential, sample_input: Any, num_stages: int, param_scale: float = 2.0) -> List[int]:
+    """Balance by each layer's activation bytes plus ``param_scale`` times its parameter bytes.
+
+    See :func:`layer_memory`.
+    """
+    return balance_by_cost(layer_memory(module, sample_input, param_scale), num_stages)
+
+
+def balance_by_flops(module: nn.Sequential, sample_input: Any, num_stages: int) -> List[int]:
+    """Balance by each layer's forward + backward FLOPs, counted on the meta device.
+
+    Nothing is materialized (see :func:`layer_flops`): the model may live on the meta device.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        >>> balance_by_flops(model, torch.empty(4, 8, device="meta"), 2), model[0].weight.device
+        ([2, 2], device(type='meta'))
+    """
+    return balance_by_cost(layer_flops(module, sample_input), num_stages)
+
+
+def _values(sample_input: Any) -> tuple:
+    return sample_input if isinstance(sample_input, tuple) else (sample_input,)
+
+
+def _leaf(value: Any) -> Any:
+    """A detached copy of a tensor that requires grad if it can, as a stage's received input does."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    return value.requires_grad_(True) if value.is_floating_point() or value.is_complex() else value
+
+
+def _call(module: nn.Sequential, layer: nn.Module, values: tuple, call: Callable = None) -> tuple:
+    """Run one layer as ``module`` would (SequentialModel unpacks tuples) and return the next values."""
+    args = values if isinstance(module, SequentialModel) else (values[0] if len(values) == 1 else values,)
+    out = call(layer, args) if call is not None else layer(*args)
+    return out if isinstance(out, tuple) and isinstance(module, SequentialModel) else (out,)
+
+
+def _backward_roots(outputs: tuple) -> Tuple[list, list]:
+    roots = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def layer_times(module: nn.Sequential, sample_input: Any, repeat: int = 5) -> List[float]:
+    """Each layer's forward + backward seconds on ``sample_input``, the median of ``repeat`` runs.
+
+    Layers run one by one on the sample's device, after one warm-up run. Gradients go to
+    ``torch.autograd.grad`` (no ``.grad`` is touched); buffers (BatchNorm statistics) and the RNG
+    state are restored afterwards.
+    """
+    if not isinstance(repeat, int) or repeat < 1:
+        raise PartitionError(f"repeat must be a positive integer, got {repeat!r}")
+    samples: List[List[float]] = [[] for _ in module]
+    buffers = [b.detach().clone() for b in module.buffers()]
+    devices = [t.device for t in tree_flatten(sample_input)[0] if isinstance(t, torch.Tensor)]
+    device = devices[0] if devices else torch.device("cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for run in range(repeat + 1):
+            values = _values(sample_input)
+            for k, layer in enumerate(module):
+                inputs = tuple(tree_map(_leaf, v) for v in values)
+                _synchronize(device)
+                begin = time.perf_counter()
+                values = _call(module, layer, inputs)
+                roots, grads = _backward_roots(values)
+                wrt = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                wrt += [p for p in layer.parameters() if p.requires_grad]
+                if roots and wrt:
+                    torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+                _synchronize(device)
+                if run > 0:
+                    samples[k].append(time.perf_counter() - begin)
+    with torch.no_grad():
+        for buffer, saved in zip(module.buffers(), buffers):
+            buffer.copy_(saved)
+    return [statistics.median(s) for s in samples]
+
+
+def layer_memory(module: nn.Sequential, sample_input: Any, param_scale: float = 2.0) -> List[float]:
+    """Each layer's bytes: activations it saves for backward on ``sample_input`` (counted exactly
+    with ``saved_tensors_hooks``) plus ``param_scale`` times its parameter bytes.
+
+    ``param_scale`` counts the copies of parameters training holds: 2 for SGD (weights,
+    gradients), 3 with momentum, 4 for Adam. Buffers are restored afterwards.
+
+    Example:
+        >>> layer_memory(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.ones(2, 4))
+        [192.0, 32.0]
+    """
+    buffers = [b.detach().clone() for b in module.buffers()]
+    values, costs = _values(sample_input), []
+    with torch.random.fork_rng(devices=[]):
+        for layer in module:
+            inputs = tuple(tree_map(_leaf, v) for v in values)
+            meter = ActivationMeter(layer.parameters())
+            with meter.record(0, inputs=()):
+                values = _call(module, layer, inputs)
+            params = sum(p.numel() * p.element_size() for p in layer.parameters())
+            costs.append(float(meter.held_bytes + param_scale * params))
+    with torch.no_grad():
+        for buffer, saved in zip(module.buffers(), buffers):
+            buffer.copy_(saved)
+    return costs
+
+
+def _meta(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+
+
+def layer_flops(module: nn.Sequential, sample_input: Any) -> List[int]:
+    """Each layer's forward + backward FLOPs on ``sample_input``, counted on the meta device.
+
+    The layers run through ``torch.func.functional_call`` with meta stand-ins for their
+    parameters and buffers, so nothing is allocated or materialized and the module is untouched,
+    whether its parameters are real or meta. ``torch.utils.flop_counter`` counts matrix products
+    and convolutions (attention included); elementwise work counts as free.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    values, costs = tree_map(_meta, _values(sample_input)), []
+    for layer in module:
+        inputs = tuple(tree_map(_leaf, v) for v in values)
+        state = {n: _meta(t) for n, t in list(layer.named_parameters()) + list(layer.named_buffers())}
+        with FlopCounterMode(display=False) as counter:
+            values = _call(module, layer, inputs, lambda lay, args: torch.func.functional_call(lay, state, args))
+            roots, grads = _backward_roots(values)
+            if roots:
+                torch.autograd.backward(roots, grads)  # autograd.grad clashes with the counter's hooks
+        costs.append(counter.get_total_flops())
+    return costs
 
 
 def _min_max_split(n: int, num_stages: int, cost, allowed) -> Tuple[float, List[int]]:

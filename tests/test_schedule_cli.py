@@ -1,0 +1,79 @@
+"""``python -m lightning_pipe.schedule show``: the README's tables, the simulated figures, the PNG."""
+
+from __future__ import annotations
+
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_pipe.schedule import format_table, gpipe, one_f_one_b
+from lightning_pipe.schedule.__main__ import main, schedule_tables, show
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _readme_table(call: str) -> str:
+    """The table README.md's "Schedules are data" section prints for ``print(format_table(call))``."""
+    text = README.read_text()
+    match = re.search(re.escape(f">>> print(format_table({call}))") + r"\n((?:rank \d+:.*\n)+)", text)
+    assert match, f"README.md no longer shows format_table({call})"
+    return match.group(1).rstrip("\n")
+
+
+@pytest.mark.parametrize("name, call", [("gpipe", "gpipe(3, 4)"), ("1f1b", "one_f_one_b(3, 4)")])
+def test_show_prints_the_readme_table(name, call, capsys):
+    assert main(["show", name, "--stages", "3", "--microbatches", "4"]) == 0
+    printed = capsys.readouterr().out
+    table = _readme_table(call)
+    assert printed.startswith(table + "\n\n")
+    assert table == format_table({"gpipe": gpipe, "1f1b": one_f_one_b}[name](3, 4))
+
+
+def test_show_prints_the_simulated_bubble_and_peak_in_flight(capsys):
+    assert main(["show", "gpipe", "--stages", "3", "--microbatches", "4"]) == 0
+    assert capsys.readouterr().out.endswith(
+        "gpipe, 3 stages, 4 microbatches, forward 1, backward 1:\n"
+        "  makespan 12, bubble 33.3%\n"
+        "  peak in-flight microbatches per rank: 4 4 4\n"
+    )
+    text = show("1f1b", 4, 8, backward_cost=2)
+    assert "makespan 33, bubble 27.3%" in text and "per rank: 4 3 2 1" in text
+
+
+def test_show_writes_the_plan_as_png(tmp_path, capsys):
+    from matplotlib.image import imread
+
+    path = tmp_path / "plan.png"
+    assert main(["show", "1f1b", "--stages", "2", "--microbatches", "3", "--png", str(path)]) == 0
+    assert f"picture: {path}" in capsys.readouterr().out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert imread(str(path)).shape[1] > 500
+
+
+def test_running_the_package_as_a_module_calls_show(monkeypatch, capsys):
+    import lightning_pipe.schedule
+
+    monkeypatch.setattr(sys, "argv", ["lightning_pipe.schedule", "show", "gpipe", "--stages", "2", "--microbatches", "2"])
+    # what `python -m lightning_pipe.schedule` runs, without a new interpreter (seconds of imports)
+    entry = Path(lightning_pipe.schedule.__file__).parent / "__main__.py"
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(entry), run_name="__main__")
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("rank 0: F0 F1 .. .. B1 B0\nrank 1: .. F0 F1 B1 B0 ..\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["show", "zigzag", "--stages", "2", "--microbatches", "2"], "unknown schedule 'zigzag'; choose one of"),
+    (["show", "1f1b", "--stages", "2", "--microbatches", "2", "--virtual-stages", "2"], "does not apply"),
+    (["show", "gpipe", "--stages", "0", "--microbatches", "2"], "num_stages must be a positive integer"),
+])
+def test_show_reports_bad_arguments_and_exits_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_schedule_lookup_is_one_function():
+    assert schedule_tables("1f1b", 2, 3, virtual_stages=1) == one_f_one_b(2, 3)
