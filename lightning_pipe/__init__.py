@@ -13,9 +13,19 @@ from lightning_pipe.errors import (
     SideEffectError,
 )
 from lightning_pipe.microbatch import NoChunk
-from lightning_pipe.partition import SequentialModel, balance_by_layers, balance_by_parameters, partition
+from lightning_pipe.partition import (
+    SequentialModel,
+    balance_by_cost,
+    balance_by_flops,
+    balance_by_layers,
+    balance_by_memory,
+    balance_by_parameters,
+    balance_by_time,
+    partition,
+)
 from lightning_pipe.pipeline import GPipe, PipeDream, Pipeline
 from lightning_pipe.lightning.strategy import PipeStrategy
+from lightning_pipe.lightning.tracing import PipelineTrace
 from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f1b", "pipe_gpipe"
 
 __version__ = "0.1.0"
@@ -29,6 +39,7 @@ __all__ = [
     "PartitionError",
     "PipeDream",
     "PipeStrategy",
+    "PipelineTrace",
     "Pipeline",
     "PipelineAbortedError",
     "PipelineError",
@@ -36,8 +47,12 @@ __all__ = [
     "ScheduleError",
     "SequentialModel",
     "SideEffectError",
+    "balance_by_cost",
+    "balance_by_flops",
     "balance_by_layers",
+    "balance_by_memory",
     "balance_by_parameters",
+    "balance_by_time",
     "is_checkpointing",
     "is_recomputing",
     "make_subgroups",

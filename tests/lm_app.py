@@ -291,6 +291,58 @@ class Mixup(NoiseBase):
         return loss
 
 
+class FrozenStart(LlamaStyle):
+    """Fine-tuning: the embedding and the first two blocks are frozen, so stage 0 of 2 trains nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed.requires_grad_(False)
+        self.layers[:2].requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+class TokenMix(nn.Module):
+    """Parameter-free mixing over the sequence: softmax(x x^T) x."""
+
+    def forward(self, x):
+        return torch.softmax(x @ x.transpose(-1, -2) / x.shape[-1] ** 0.5, dim=-1) @ x
+
+
+class ParameterFreeEnd(LMBase):
+    """The last stage of balance [4, 2] holds only parameter-free layers; the body's output is the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, VOCAB)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(VOCAB, VOCAB), nn.Tanh()) for _ in range(4)],
+                                  TokenMix(), TokenMix())
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        loss, count = self._loss(self.body(self.embed(tokens)), labels)
+        self.log("train_loss", loss)
+        return {"loss": loss, "num_items": count}
+
+
+class Unbalanced(pl.LightningModule):
+    """6 Linear layers, then 4 parameter-free token-mixing blocks that cost about 8 Linear layers each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)], *[TokenMix() for _ in range(4)])
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = F.mse_loss(self.body(x), x.flip(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
 class BadArgs(LlamaStyle):
     def logits(self, tokens):
         x = self.embed(tokens)
@@ -348,7 +400,7 @@ CASES = {
     "llama": (LlamaStyle, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_args": (BadArgs, "tokens"),
-    "ema": (EmaInStep, "noise"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
+    "ema": (EmaInStep, "noise"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"),
 }
 
@@ -359,6 +411,9 @@ def loaders(kind: str):
         return (torch.utils.data.DataLoader(data, batch_size=8),
                 torch.utils.data.DataLoader(token_data(16, seed=1), batch_size=8))
     g = torch.Generator().manual_seed(0)
+    if kind == "sequences":
+        data = torch.utils.data.TensorDataset(torch.randn(16, 256, 32, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=4), None
     x = torch.randn(64 if kind == "noise" else 48, 8 if kind == "noise" else 4, generator=g)
     if kind == "noise":
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=16), None
@@ -385,16 +440,19 @@ def run(spec: dict, root: str) -> dict:
         strategy = lightning_pipe.PipeStrategy(
             pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
             schedule=spec.get("schedule", "1f1b"), checkpoint=spec.get("checkpoint", "never"),
-            loss_reduction="sum" if spec["case"] == "sum" else "mean", body=spec.get("body"),
+            loss_reduction="sum" if spec["case"] == "sum" else "mean", body=spec.get("body"), balance=spec.get("balance"),
         )
     else:
         strategy = spec["strategy"]
     outputs, checkpoint = Outputs(), ModelCheckpoint(dirpath=os.path.join(root, name, "ckpt"), save_last=True)
+    callbacks = [outputs, checkpoint]
+    if "trace" in spec:  # [first batch, number of batches]
+        callbacks.append(lightning_pipe.PipelineTrace(*spec["trace"], dirpath=os.path.join(root, name, "trace")))
     trainer = pl.Trainer(
         accelerator="cpu", devices=spec["devices"], strategy=strategy, max_epochs=spec.get("epochs", 1),
         max_steps=spec.get("steps", -1),
         precision=spec.get("precision", "64-true"), gradient_clip_val=spec.get("clip"),
-        logger=CSVLogger(root, name=name, version=0), log_every_n_steps=1, callbacks=[outputs, checkpoint],
+        logger=CSVLogger(root, name=name, version=0), log_every_n_steps=1, callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0,
     )
     train, val = loaders(CASES[spec["case"]][1])

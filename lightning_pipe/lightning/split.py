@@ -16,7 +16,8 @@ stages (a module before the body whose output also feeds the loss) gets its grad
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Set
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -165,3 +166,24 @@ def _key_aliases(module: nn.Module) -> Dict[str, str]:
             if original != key:
                 out[key] = original
     return out
+
+
+PLACEHOLDER = "_pipe_placeholder"
+
+
+@contextmanager
+def trainable_placeholder(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Give a stage without trainable parameters one empty parameter while its optimizer is built.
+
+    A stage may hold only parameter-free layers (pooling, parameter-free mixing) or frozen ones
+    (fine-tuning); the user's ``configure_optimizers`` then hands torch an empty list, which it
+    refuses on that rank only. The placeholder has no element, is never saved, and gets no gradient.
+    """
+    needed = not any(p.requires_grad for p in module.parameters())
+    if needed:
+        module.register_parameter(PLACEHOLDER, nn.Parameter(torch.zeros(0, device=device)))
+    try:
+        yield
+    finally:
+        if needed:
+            delattr(module, PLACEHOLDER)

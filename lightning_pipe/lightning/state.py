@@ -35,8 +35,8 @@ def parameter_names(module: nn.Module, canonical: Callable[[str], str] = lambda 
 
 
 def group_names(optimizer: Optimizer, names: Mapping[int, str]) -> List[List[str]]:
-    """The parameter names of each param group, in the optimizer's order."""
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    """The parameter names of each param group, in the optimizer's order (placeholders left out)."""
+    return [[names[id(p)] for p in group["params"] if id(p) in names] for group in optimizer.param_groups]
 
 
 def full_layout(per_stage: Sequence[List[List[str]]], order: Sequence[str]) -> List[List[str]]:
@@ -55,7 +55,7 @@ def optimizer_contribution(optimizer: Optimizer, names: Mapping[int, str], owned
     params = [p for group in optimizer.param_groups for p in group["params"]]
     by_name = {}
     for index, p in enumerate(params):
-        name = names[id(p)]
+        name = names.get(id(p))
         if name in owned and index in state["state"]:
             by_name[name] = _cpu(state["state"][index])
     groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
@@ -96,7 +96,7 @@ def localize_optimizer(
         saved = dict(full["param_groups"][g])
         saved["params"] = []
         for p in group["params"]:
-            full_index = index_of[names[id(p)]]
+            full_index = index_of.get(names.get(id(p)))
             if full_index in full["state"]:
                 state[local_index] = full["state"][full_index]
             saved["params"].append(local_index)

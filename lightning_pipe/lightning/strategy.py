@@ -33,18 +33,27 @@ from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_no
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.faults import report_job_error
-from lightning_pipe.lightning import hooks, logs
+from lightning_pipe.lightning import hooks, logs, profile, tracing
 from lightning_pipe.lightning.body import find_body
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
-from lightning_pipe.lightning.split import SplitModel
+from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.state import Checkpoints
 from lightning_pipe.lightning.steps import StepRunner, outputs_of
 from lightning_pipe.microbatch import scatter
+from lightning_pipe.partition import balance_by_cost
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import SCHEDULES
 from lightning_pipe.ties import TiedGradients
+from lightning_pipe.trace import Recorder
+
+class _OneStep(Recorder):
+    """The recorder of a step measured for the logger."""
+
+    def __init__(self) -> None:
+        super().__init__(keep=1)
+
 
 _GRACE_SECONDS = 5.0  # how long the launcher lets other ranks fail on their own after an exception
 
@@ -69,13 +78,20 @@ class PipeStrategy(DDPStrategy):
         checkpoint: activation checkpointing, ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: turn the module's BatchNorms into :class:`DeferredBatchNorm`, whose
             running statistics are updated once per batch instead of once per microbatch.
-        balance: layers per stage; default balanced by parameter count.
+        balance: layers per stage, e.g. ``[3, 5]``; or how to choose them: ``"parameters"`` (the
+            default: even parameter counts), ``"time"`` or ``"memory"`` (each layer profiled on one
+            training batch at setup, on global rank 0, whose device must hold the whole model),
+            ``"flops"`` (counted on the meta device: works for a model no device holds). The
+            summary printed at fit start shows each stage's estimate.
         body: attribute path of the body; default: the only ``nn.Sequential``/``nn.ModuleList``
             (or the one holding most of the parameters).
         loss_reduction: ``"mean"`` (the step's loss averages over samples, or over ``num_items``)
             or ``"sum"`` (it sums over samples).
         gather_full_model: after ``fit``, put the whole trained model back into the
             LightningModule on every rank (set False to save memory; then the module refuses to run).
+        log_pipeline_metrics: every ``log_every_n_steps`` steps, measure one step and log to the
+            trainer's logger (global rank 0) ``pipe/bubble_fraction``, ``pipe/busy_fraction/stage_<s>``,
+            ``pipe/wait_seconds/stage_<s>``, ``pipe/step_seconds`` and ``pipe/samples_per_second``.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default: the accelerator's.
         timeout: how long a rank waits for a message or collective before failing.
         start_method: only ``"popen"`` (Lightning's default for DDP): the spawn and fork launchers
@@ -96,10 +112,11 @@ class PipeStrategy(DDPStrategy):
         schedule: Literal["1f1b", "gpipe"] = "1f1b",
         checkpoint: Union[Literal["always", "except_last", "never"], bool] = "never",
         deferred_batch_norm: bool = False,
-        balance: Optional[List[int]] = None,
+        balance: Optional[Union[List[int], Literal["parameters", "time", "memory", "flops"]]] = None,
         body: Optional[str] = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         gather_full_model: bool = True,
+        log_pipeline_metrics: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -127,6 +144,9 @@ class PipeStrategy(DDPStrategy):
         self.checkpoint = check_checkpoint(checkpoint)
         self.deferred_batch_norm, self.balance, self.body = deferred_batch_norm, balance, body
         self.loss_reduction, self.gather_full_model = loss_reduction, gather_full_model
+        self.log_pipeline_metrics = log_pipeline_metrics
+        if isinstance(balance, str) and balance not in profile.BALANCES:
+            raise ConfigurationError(f"PipeStrategy(balance={balance!r}): give layer counts or one of {list(profile.BALANCES)}")
         self.split: Optional[SplitModel] = None
         self._pipeline: Optional[Pipeline] = None
         self._checkpoints: Optional[Checkpoints] = None
@@ -159,6 +179,11 @@ class PipeStrategy(DDPStrategy):
         return self.stage_index == self.pp_size - 1
 
     @property
+    def pipeline(self) -> Optional[Pipeline]:
+        """This rank's :class:`~lightning_pipe.Pipeline` (after setup)."""
+        return self._pipeline
+
+    @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
@@ -185,7 +210,7 @@ class PipeStrategy(DDPStrategy):
             raise ConfigurationError("PipeStrategy does not support precision='16-mixed' yet (per-microbatch loss "
                                      "scaling); use precision='bf16-mixed' or '32-true'")
         if self.split is None or self.split.module is not module:
-            self._split_module(module)
+            self._split_module(module, trainer)
         self.split.install(whole=False)
         self.split.stand_in.begin_step("local")
         self.precision_plugin.convert_module(self.model)
@@ -206,7 +231,8 @@ class PipeStrategy(DDPStrategy):
         if not any(isinstance(c, hooks.StepState) for c in trainer.callbacks):
             trainer.callbacks.insert(0, hooks.StepState(self))
         if fitting:
-            self.setup_optimizers(trainer)
+            with trainable_placeholder(module, self.root_device):
+                self.setup_optimizers(trainer)
             self._checkpoints = Checkpoints(self.split, module, self.pp_group, self.pp_size, self.dp_rank)
             self._checkpoints.record_layouts(self._bare_optimizers())
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -214,25 +240,52 @@ class PipeStrategy(DDPStrategy):
                 hooks.combine_optimizer_step_logs(self)
             rank_zero_info(f"PipeStrategy: {self.pp_size} stages x {self.dp_size} replicas, schedule {self.schedule}, "
                            f"{m} microbatches, checkpoint {self.checkpoint}, body `{self.split.path}`, ideal bubble "
-                           f"{(self.pp_size - 1) / (m + self.pp_size - 1):.1%}\n" + "\n".join(self.split.describe(self.dp_size)))
+                           f"{(self.pp_size - 1) / (m + self.pp_size - 1):.1%}\n" + "\n".join(self._stage_rows()))
             trainer.callbacks.insert(0, hooks.BodySwap(self, whole=True))  # the summary sees the whole model
             trainer.callbacks.append(hooks.BodySwap(self, whole=False))
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _split_module(self, module: torch.nn.Module) -> None:
+    def _stage_rows(self) -> List[str]:
+        rows = self.split.describe(self.dp_size)
+        if self._costs is None:
+            return rows
+        estimates = profile.describe(self.balance, self._costs, self.split.ranges)
+        return [f"{row}, {estimate}" for row, estimate in zip(rows, estimates)]
+
+    def _split_module(self, module: torch.nn.Module, trainer: Any) -> None:
         if self.deferred_batch_norm:
             DeferredBatchNorm.convert_deferred_batch_norm(module)
         path, body = find_body(module, self.body)
         gradients.broadcast_module(module, self.root_device)  # every stage and replica starts from rank 0's weights
+        balance, self._costs = self.balance, None
+        if isinstance(balance, str) and balance != "parameters":
+            self._costs = self._measure(balance, module, path, body, trainer)
+            balance = balance_by_cost(self._costs, self.pp_size)
         channel = CallChannel(dist.PrefixStore("lightning_pipe/calls/", dist.distributed_c10d._get_default_store()))
-        self.split = SplitModel(module, path, body, self.balance, self.stage_index, self.pp_size, channel)
+        self.split = SplitModel(module, path, body, None if balance == "parameters" else balance, self.stage_index,
+                                self.pp_size, channel)
         self._effects = StepEffects(module, 1)
         self._recorder = logs.LogRecorder(module, path)
         self._runner = StepRunner(module, self.split.stand_in, path, self._recorder, self._effects,
                                   self.checkpoint, self.loss_reduction)
         self._ties = None
+
+    def _measure(self, kind: str, module: torch.nn.Module, path: str, body: torch.nn.Module, trainer: Any) -> List[float]:
+        """Global rank 0 costs each layer on a sample batch; every rank gets its numbers (see :mod:`.profile`)."""
+        box: List[Any] = [None]
+        if self.global_rank == 0:
+            device = self.root_device if kind != "flops" else torch.device("cpu")
+            module.to(device)
+            try:
+                with self.precision_plugin.train_step_context():
+                    batch = self.batch_to_device(profile.sample_batch(trainer), device)
+                    box = [profile.layer_costs(kind, module, path, body, batch)]
+            finally:
+                module.to("cpu")
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        return box[0]
 
     def _bare_optimizers(self) -> List[Any]:
         return [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -241,6 +294,10 @@ class PipeStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module, first, last = self.lightning_module, self.stage_index == 0, self.is_last_stage
         self._runner.begin("training_step", args[1:], self._pipeline)
+        executor = self._pipeline.executor
+        measure = self.log_pipeline_metrics and self.pp_size > 1 and module.trainer._logger_connector.should_update_logs
+        if measure and executor.recorder is None:  # a PipelineTrace callback may be recording already
+            executor.recorder = _OneStep()
         with self.precision_plugin.train_step_context():
             earlier = gradients.take_grads(module.parameters())
             with self._recorder.recording():
@@ -262,7 +319,20 @@ class PipeStrategy(DDPStrategy):
                 gradients.scale_grads(self._pending_grads, 1.0 / normalizer)
             self._ties.sum_(self._pending_grads)
             gradients.add_grads(earlier)
+        if measure:
+            self._log_step_metrics()
         return {"loss": loss, **extras} if extras else loss
+
+    def _log_step_metrics(self) -> None:
+        """Log the ``pipe/`` metrics of the step that just ran (see :mod:`.tracing`); global rank 0 logs."""
+        executor = self._pipeline.executor
+        records = self._pipeline.gather_trace(executor.recorder.records[-1:])
+        if isinstance(executor.recorder, _OneStep):
+            executor.recorder = None
+        if records is not None and self.global_rank == 0:
+            batch_size = sum(self._pipeline.last_sizes) * self.dp_size
+            self.lightning_module.log_dict(tracing.step_metrics(records, batch_size), on_step=True, on_epoch=False,
+                                           rank_zero_only=True)
 
     def _learn_usage(self) -> None:
         """First step: which stage trains each parameter outside the body (see :class:`SplitModel`)."""
