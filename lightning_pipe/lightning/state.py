@@ -167,7 +167,7 @@ class Checkpoints:
         """The unsplit model's ``optimizer.state_dict()`` on global rank 0 (empty elsewhere)."""
         names = self._names()
         owned = {names[id(p)] for group in optimizer.param_groups for p in group["params"]
-                 if self.split.counts_in_norm(names[id(p)])}
+                 if id(p) in names and self.split.counts_in_norm(names[id(p)])}
         parts = self._gather_to_zero(optimizer_contribution(optimizer, names, owned))
         return assemble_optimizer(parts, self.layouts[index]) if parts is not None else {}
 
