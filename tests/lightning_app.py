@@ -140,7 +140,24 @@ def _tensorboard_scalars(folder: str) -> dict:
 
 
 def main(argv=None):
-    args = parse(argv)
+    """One run, or with ``--runs '{"name": [args...], ...}'`` several in the same processes (one launch).
+
+    Each named run writes into ``<root>/<name>`` and saves ``<root>/<name>/result.pt``; every run of
+    a launch uses the same number of processes.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--runs":
+        import json
+
+        root = argv[argv.index("--root") + 1]
+        for name, run_args in json.loads(argv[1]).items():
+            folder = os.path.join(root, name)
+            fit_and_save(parse([*map(str, run_args), "--root", folder, "--out", os.path.join(folder, "result.pt")]))
+        return
+    fit_and_save(parse(argv))
+
+
+def fit_and_save(args) -> None:
     pl.seed_everything(0)
     model = Regressor(depth=args.depth) if args.model == "regressor" else SkipBatchNormRegressor()
     checkpoint = ModelCheckpoint(

@@ -1,4 +1,4 @@
-"""PipeStrategy at scale: pp x dp, pure dp, tied weights, two nodes, and failures that must not hang.
+"""PipeStrategy at scale: pp x dp, pure dp, two nodes, and failures that must not hang.
 
 Every run is a script in a subprocess of its own session (Lightning's launcher or torchrun starts
 the other ranks inside it), with a hard timeout after which the whole process group is killed.
@@ -8,6 +8,7 @@ module-scoped fixtures shared by several tests.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,7 +24,6 @@ from tests.test_strategy import assert_same_run
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 APP = os.path.join(HERE, "lightning_app.py")
-GPT_APP = os.path.join(HERE, "gpt_app.py")
 FAULT_APP = os.path.join(HERE, "fault_app.py")
 TIMEOUT = 240
 HANG_BOUND_S = 120.0  # a failed run, all of its processes included, must be gone within this
@@ -155,9 +155,20 @@ def _assert_same_weights(result, expected):
 
 # -- reference and shared runs ----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ddp2(tmp_path_factory):
-    """Lightning's DDP on two devices: the run a pipeline replicated twice must reproduce."""
-    return _run(tmp_path_factory, "ddp2", APP, "--strategy", "ddp", "--devices", 2)
+def two_processes(tmp_path_factory):
+    """Lightning's DDP on two devices (the run a pipeline replicated twice must reproduce) and pipe_size=1."""
+    root = tmp_path_factory.mktemp("two_processes")
+    runs = {"ddp2": ["--strategy", "ddp", "--devices", 2],
+            "pipe1x2": ["--strategy", "pipe", "--devices", 2, "--pipe-size", 1]}
+    cmd = [sys.executable, APP, "--runs", json.dumps(runs), "--root", str(root)]
+    codes, seconds, survivors, (output,) = Launch(root, [cmd], _env()).finish(TIMEOUT * 2)
+    assert codes == [0] and not survivors, f"{codes}, survivors {survivors}:\n{output[-6000:]}"
+    return {name: dict(torch.load(root / name / "result.pt", weights_only=False), output=output) for name in runs}
+
+
+@pytest.fixture(scope="module")
+def ddp2(two_processes):
+    return two_processes["ddp2"]
 
 
 @pytest.fixture(scope="module")
@@ -174,61 +185,15 @@ def test_two_stages_times_two_replicas_equals_ddp(pipe2x2, ddp2):
     assert_same_run(pipe2x2, ddp2)
 
 
-def test_pipe_size_one_is_data_parallel_ddp(tmp_path_factory, ddp2):
+def test_pipe_size_one_is_data_parallel_ddp(two_processes, ddp2):
     """pipe_size=1: every process holds the whole body; the run is plain data parallelism."""
-    result = _run(tmp_path_factory, "pipe1x2", APP, "--strategy", "pipe", "--devices", 2, "--pipe-size", 1)
+    result = two_processes["pipe1x2"]
     assert "PipeStrategy: 1 stages x 2 replicas" in result["output"]
     assert_same_run(result, ddp2)
 
 
-# -- 3: tied embeddings across the first and the last stage --------------------------------------
-@pytest.fixture(scope="module")
-def gpt_reference(tmp_path_factory):
-    # "ddp" on one device rather than "auto": Lightning's distributed sampler reorders the data
-    # (shuffle with seed 0) for any distributed strategy, so only a distributed run sees the same batches.
-    return _run(tmp_path_factory, "gpt_ddp1", GPT_APP, "--strategy", "ddp", "--devices", 1)
-
-
-@pytest.fixture(scope="module")
-def gpt_pipelined(tmp_path_factory):
-    return _run(tmp_path_factory, "gpt_pipe3", GPT_APP, "--strategy", "pipe", "--devices", 3)
-
-
-def test_tied_gpt_over_three_stages_equals_one_device(gpt_pipelined, gpt_reference):
-    """Adam + global norm clipping with head.weight = embed.weight on stages 0 and 2: same losses and weights."""
-    output = gpt_pipelined["output"]
-    assert "PipeStrategy: 3 stages x 1 replicas" in output
-    assert "parameters used on several stages, kept in sync: ['embed.weight']" in output
-    _assert_same_weights(gpt_pipelined, gpt_reference)
-    assert gpt_pipelined["tied"], "after fit, head.weight is no longer embed.weight"
-    losses = [float(row["train_loss"]) for row in gpt_pipelined["csv"]]
-    expected = [float(row["train_loss"]) for row in gpt_reference["csv"]]
-    assert len(losses) == len(expected) == gpt_reference["global_step"] == 16
-    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-    assert expected[-1] < expected[0] / 4  # the run learns: a broken gradient would not match anyway
-
-
-def test_tied_checkpoint_loads_into_the_plain_model(gpt_pipelined, gpt_reference):
-    from tests.gpt_app import TinyGPT
-
-    plain = torch.load(gpt_reference["last_model_path"], weights_only=False)["state_dict"]
-    checkpoint = torch.load(gpt_pipelined["last_model_path"], weights_only=False)["state_dict"]
-    assert list(checkpoint) == list(TinyGPT().state_dict()) == list(plain)
-    # the plain run's checkpoint holds the tied weight once (the two keys share a storage)
-    assert plain["head.weight"].untyped_storage().data_ptr() == plain["embed.weight"].untyped_storage().data_ptr()
-    TinyGPT().load_state_dict(checkpoint)  # strict
-    model = TinyGPT.load_from_checkpoint(gpt_pipelined["last_model_path"])
-    assert model.head.weight is model.embed.weight
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(value, gpt_pipelined["state_dict"][key], msg=lambda m: f"{key}: {m}")
-
-
-def test_tied_checkpoint_holds_one_copy_of_the_tied_weight(gpt_pipelined):
-    """Regression: gather_object pickles each entry apart, so the tied weight came back as two copies."""
-    checkpoint = torch.load(gpt_pipelined["last_model_path"], weights_only=False)["state_dict"]
-    embed, head = checkpoint["embed.weight"], checkpoint["head.weight"]
-    shared = head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()
-    assert shared, "the checkpoint holds head.weight and embed.weight as two separate copies"
+# -- 3: tied weights: tests/test_model_styles.py (embeddings tied across stages, blocks shared by every
+# stage, a tie inside an nn.Sequential body; Adam, global-norm clipping, checkpoints holding one copy)
 
 
 # -- 4: two nodes on loopback --------------------------------------------------------------------

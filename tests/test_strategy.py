@@ -1,11 +1,12 @@
 """PipeStrategy end to end: the same run under Lightning's DDP and under the pipeline must agree.
 
 Each run is ``tests/lightning_app.py`` in a subprocess (Lightning's launcher re-executes the script
-per rank), with a hard timeout. The reference runs are cached per session.
+per rank), with a hard timeout; runs with the same number of processes share one launch.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -34,18 +35,70 @@ def run_app(tmp_path_factory, name, *args, expect_failure=False):
     return result
 
 
+def run_apps(tmp_path_factory, name, runs):
+    """Several runs of tests/lightning_app.py in one launch (same number of processes): results by name."""
+    root = tmp_path_factory.mktemp(name)
+    cmd = [sys.executable, APP, "--runs", json.dumps(runs), "--root", str(root)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT * 2, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-8000:]}"
+    results = {}
+    for run in runs:
+        results[run] = torch.load(root / run / "result.pt", weights_only=False)
+        results[run].update(root=root / run, output=output)
+    return results
+
+
+_COMMON_SKIPBN = ["--strategy", "pipe", "--model", "skipbn", "--deferred-batch-norm", "--checkpoint", "except_last",
+                  "--microbatches", 3]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def two_processes(tmp_path_factory):
+    return run_apps(tmp_path_factory, "two", {
+        "pipe_gpipe": ["--strategy", "pipe", "--devices", 2, "--schedule", "gpipe"],
+        "pipe_bf16": ["--strategy", "pipe", "--devices", 2, "--precision", "bf16-mixed", "--max-epochs", 1],
+        "pipe_ckpt": ["--strategy", "pipe", "--devices", 2, "--max-epochs", 1, "--model-summary"],
+    })
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, two_processes):
+    return run_apps(tmp_path_factory, "one", {
+        "ddp": ["--strategy", "ddp", "--devices", 1],  # the run every pipelined run must reproduce
+        "ddp_bf16": ["--strategy", "ddp", "--devices", 1, "--precision", "bf16-mixed", "--max-epochs", 1],
+        "skipbn_1": [*_COMMON_SKIPBN, "--devices", 1],
+        "resume_ddp": ["--strategy", "ddp", "--devices", 1, "--resume", first_epoch(two_processes)],
+    })
+
+
+@pytest.fixture(scope="module")
+def three_processes(tmp_path_factory, two_processes):
+    return run_apps(tmp_path_factory, "three", {
+        "pipe_1f1b": ["--strategy", "pipe", "--devices", 3, "--schedule", "1f1b", "--checkpoint", "except_last"],
+        "skipbn_3": [*_COMMON_SKIPBN, "--devices", 3, "--schedule", "1f1b"],
+        "resume_pipe": ["--strategy", "pipe", "--devices", 3, "--resume", first_epoch(two_processes)],
+    })
+
+
+def first_epoch(two_processes):
+    """The checkpoint pipe_ckpt (pipe_size=2) wrote after its first and only epoch."""
+    return os.path.join(os.path.dirname(two_processes["pipe_ckpt"]["last_model_path"]), "epoch=0-step=4.ckpt")
+
+
+@pytest.fixture(scope="module")
+def reference(one_process):
     """Lightning's own DDP on one device: the run every pipelined run must reproduce."""
-    return run_app(tmp_path_factory, "ddp", "--strategy", "ddp", "--devices", 1)
+    return one_process["ddp"]
 
 
 def assert_same_run(result, expected):
     from tests.test_model_styles import without_pipeline_metrics
 
-    result = dict(result, csv=[without_pipeline_metrics(r) for r in result["csv"]],
-                  callback_metrics=without_pipeline_metrics(result["callback_metrics"]),
-                  tensorboard=without_pipeline_metrics(result["tensorboard"]))
+    result, expected = (dict(run, csv=[without_pipeline_metrics(r) for r in run["csv"]],
+                             callback_metrics=without_pipeline_metrics(run["callback_metrics"]),
+                             tensorboard=without_pipeline_metrics(run["tensorboard"])) for run in (result, expected))
     for key, value in expected["state_dict"].items():
         torch.testing.assert_close(result["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
     assert result["state_dict"].keys() == expected["state_dict"].keys()
@@ -73,37 +126,27 @@ def assert_same_run(result, expected):
     assert result["global_step"] == expected["global_step"]
 
 
-@pytest.mark.parametrize(
-    "schedule, devices, checkpoint",
-    [("gpipe", 2, "never"), ("1f1b", 3, "except_last")],
-)
-def test_pipelined_fit_equals_ddp(tmp_path_factory, reference, schedule, devices, checkpoint):
-    result = run_app(
-        tmp_path_factory, f"pipe_{schedule}", "--strategy", "pipe", "--devices", devices,
-        "--schedule", schedule, "--checkpoint", checkpoint,
-    )
-    assert_same_run(result, reference)
+@pytest.mark.parametrize("launch, name", [("two_processes", "pipe_gpipe"), ("three_processes", "pipe_1f1b")])
+def test_pipelined_fit_equals_ddp(request, reference, launch, name):
+    """GPipe on 2 stages and 1F1B on 3 (checkpoint="except_last") against DDP on one device."""
+    assert_same_run(request.getfixturevalue(launch)[name], reference)
 
 
-def test_bf16_mixed_precision_matches_ddp(tmp_path_factory):
+def test_bf16_mixed_precision_matches_ddp(one_process, two_processes):
     """bf16 autocast runs on every stage: same training as DDP under bf16, up to bf16 rounding."""
-    reference = run_app(tmp_path_factory, "ddp_bf16", "--strategy", "ddp", "--devices", 1, "--precision", "bf16-mixed",
-                        "--max-epochs", 1)
-    result = run_app(tmp_path_factory, "pipe_bf16", "--strategy", "pipe", "--devices", 2, "--precision", "bf16-mixed",
-                     "--max-epochs", 1)
+    reference, result = one_process["ddp_bf16"], two_processes["pipe_bf16"]
     for key, value in reference["state_dict"].items():
         torch.testing.assert_close(result["state_dict"][key], value, rtol=0.02, atol=0.01, msg=lambda m: f"{key}: {m}")
     for key, value in reference["callback_metrics"].items():
         torch.testing.assert_close(result["callback_metrics"][key], value, rtol=0.02, atol=0.01)
 
 
-def test_checkpoint_loads_in_a_plain_process(tmp_path_factory, reference):
+def test_checkpoint_loads_in_a_plain_process(two_processes):
     """The ModelCheckpoint written under PipeStrategy is an ordinary checkpoint of the whole model."""
     sys.path.insert(0, os.path.dirname(__file__))
     from lightning_app import Regressor
 
-    result = run_app(tmp_path_factory, "pipe_ckpt", "--strategy", "pipe", "--devices", 2, "--max-epochs", 1,
-                     "--model-summary")
+    result = two_processes["pipe_ckpt"]
     # rank 0's model summary counts the whole model (embed 40 + body 432 + head 9), not stage 0's part
     assert re.search(r"481\s+Total params|Total params: 481", result["output"]), result["output"][-3000:]
     checkpoint = torch.load(result["last_model_path"], weights_only=False)
@@ -117,19 +160,10 @@ def test_checkpoint_loads_in_a_plain_process(tmp_path_factory, reference):
     assert sorted(optimizer["state"]) == list(range(16))
 
 
-@pytest.fixture(scope="module")
-def first_epoch_checkpoint(tmp_path_factory):
-    result = run_app(tmp_path_factory, "pipe_epoch0", "--strategy", "pipe", "--devices", 2, "--max-epochs", 1)
-    return os.path.join(os.path.dirname(result["last_model_path"]), "epoch=0-step=4.ckpt")
-
-
-@pytest.mark.parametrize("strategy, devices", [("ddp", 1), ("pipe", 3)])
-def test_resume_from_pipelined_checkpoint(tmp_path_factory, reference, first_epoch_checkpoint, strategy, devices):
+@pytest.mark.parametrize("launch, name", [("one_process", "resume_ddp"), ("three_processes", "resume_pipe")])
+def test_resume_from_pipelined_checkpoint(request, reference, launch, name):
     """Resuming a pipe_size=2 checkpoint under a plain Trainer or 3 stages ends like an uninterrupted run."""
-    result = run_app(
-        tmp_path_factory, f"resume_{strategy}", "--strategy", strategy, "--devices", devices,
-        "--resume", first_epoch_checkpoint,
-    )
+    result = request.getfixturevalue(launch)[name]
     for key, value in reference["state_dict"].items():
         torch.testing.assert_close(result["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
     assert result["global_step"] == reference["global_step"]
@@ -150,13 +184,10 @@ def test_pipe_size_must_divide_devices(tmp_path_factory):
     assert "must divide the number of processes" in output, output[-3000:]
 
 
-def test_skips_and_deferred_batch_norm_under_the_strategy(tmp_path_factory):
+def test_skips_and_deferred_batch_norm_under_the_strategy(one_process, three_processes):
     """A U-Net-like body with BatchNorm, 3 stages, except_last checkpointing: equal to the same
     microbatches run in sequence in one process (pipe_size=1), running statistics included."""
-    common = ["--strategy", "pipe", "--model", "skipbn", "--deferred-batch-norm", "--checkpoint", "except_last",
-              "--microbatches", 3]
-    single = run_app(tmp_path_factory, "skipbn_1", *common, "--devices", 1)
-    piped = run_app(tmp_path_factory, "skipbn_3", *common, "--devices", 3, "--schedule", "1f1b")
+    single, piped = one_process["skipbn_1"], three_processes["skipbn_3"]
     assert_same_run(piped, single)
     tracked = single["state_dict"]["body.1.bn.num_batches_tracked"]
     assert tracked == single["global_step"] * 2  # once per batch (2 batches per optimizer step), not per microbatch
