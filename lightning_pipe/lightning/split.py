@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PartitionError
+from lightning_pipe.lightning import release
 from lightning_pipe.lightning.body import PipelinedSequential, StandIn, set_submodule
 from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
 from lightning_pipe.partition import SequentialModel, balance_by_parameters, check_balance, split_points
@@ -65,6 +66,29 @@ class SplitModel:
         self.module = module
         self.stand_in = self._stand_in(channel)
         self.install(whole=False)
+        self.released_bytes = self._release_at_setup()
+
+    def _release_at_setup(self) -> int:
+        """Other stages' layers, and on middle stages everything outside the body (see :mod:`.release`)."""
+        if self.num_stages == 1:
+            return 0
+        local = release.tensor_ids([self.stand_in])
+        outside = release.outside_body(self.module, self.path)
+        middle = 0 < self.stage_index < self.num_stages - 1
+        keep = local if middle else local | release.tensor_ids(outside)
+        others = [m for n in self.names if self.stage_of_layer[n] != self.stage_index for m in self.body._modules[n].modules()]
+        return release.release(others + (outside if middle else []), keep)
+
+    def release_unused(self, called: Set[int], optimizers: Sequence[torch.optim.Optimizer]) -> int:
+        """After the first step: the modules outside the body this stage neither called nor trained."""
+        if self.num_stages == 1:
+            return 0
+        outside = release.outside_body(self.module, self.path)
+        used = [m for m in outside if id(m) in called or m is self.module
+                or any(p.grad is not None for p in m._parameters.values() if p is not None)]
+        keep = release.tensor_ids([self.stand_in]) | {id(t) for m in used for t in
+                                                      list(m._parameters.values()) + list(m._buffers.values())}
+        return release.release([m for m in outside if m not in used], keep, optimizers)
 
     def install(self, whole: bool) -> None:
         """Put the whole body (``whole``) or this stage's stand-in into the module."""

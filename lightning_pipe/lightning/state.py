@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_pipe.errors import ConfigurationError
+
 
 def _cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
@@ -97,7 +99,7 @@ def localize_optimizer(
         saved["params"] = []
         for p in group["params"]:
             full_index = index_of.get(names.get(id(p)))
-            if full_index in full["state"]:
+            if full_index in full["state"] and not p.is_meta:  # released here: another stage trains it
                 state[local_index] = full["state"][full_index]
             saved["params"].append(local_index)
             local_index += 1
@@ -172,8 +174,21 @@ class Checkpoints:
         return assemble_optimizer(parts, self.layouts[index]) if parts is not None else {}
 
     def load_module_state(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
-        local = set(self.module.state_dict())
-        self.module.load_state_dict({k: v for k, v in state_dict.items() if k in local}, strict=strict)
+        """Load this rank's materialized entries; check the keys against the whole model's first.
+
+        Raises:
+            ConfigurationError: with ``strict``, the checkpoint's keys are not the model's (on every
+                rank, before anything is loaded).
+        """
+        expected = set(self.split.key_order)
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise ConfigurationError(
+                f"the checkpoint does not hold this model: missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; was it saved from another model?"
+            )
+        local = {k for k, v in self.module.state_dict().items() if not v.is_meta}
+        self.module.load_state_dict({k: v for k, v in state_dict.items() if k in local}, strict=False)
 
     def load_optimizer_states(self, optimizers: Sequence[Optimizer], saved: Sequence[Mapping[str, Any]]) -> None:
         names = self._names()

@@ -25,7 +25,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_pipe import gradients, rng
@@ -33,7 +33,7 @@ from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_no
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.faults import report_job_error
-from lightning_pipe.lightning import hooks, logs, profile, tracing
+from lightning_pipe.lightning import hooks, logs, profile, release, tracing
 from lightning_pipe.lightning.body import find_body
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
@@ -230,10 +230,11 @@ class PipeStrategy(DDPStrategy):
             metric.process_group = self.dp_group
         if not any(isinstance(c, hooks.StepState) for c in trainer.callbacks):
             trainer.callbacks.insert(0, hooks.StepState(self))
+        if self._checkpoints is None or self._checkpoints.split is not self.split:
+            self._checkpoints = Checkpoints(self.split, module, self.pp_group, self.pp_size, self.dp_rank)
         if fitting:
             with trainable_placeholder(module, self.root_device):
                 self.setup_optimizers(trainer)
-            self._checkpoints = Checkpoints(self.split, module, self.pp_group, self.pp_size, self.dp_rank)
             self._checkpoints.record_layouts(self._bare_optimizers())
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             if self.pp_size > 1 and hooks.overrides_optimizer_step_hook(module, trainer.callbacks):
@@ -300,7 +301,7 @@ class PipeStrategy(DDPStrategy):
             executor.recorder = _OneStep()
         with self.precision_plugin.train_step_context():
             earlier = gradients.take_grads(module.parameters())
-            with self._recorder.recording():
+            with self._recorder.recording(), release.calls_recorded() as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
                     criterion=self._runner.criterion if last and not first else None,  # one stage: FirstStage's loss
@@ -345,6 +346,7 @@ class PipeStrategy(DDPStrategy):
         tied = sorted({tie.names[0] for tie in self._ties.ties})
         if tied:
             rank_zero_info(f"PipeStrategy: parameters used on several stages, kept in sync: {tied}")
+        split.release_unused(self._called, self._bare_optimizers())
 
     def _share_results(self, summary: Optional[tuple]) -> tuple:
         """Send the last stage's loss, logs, metric states and results to the whole pipeline; log them."""
@@ -461,6 +463,7 @@ class PipeStrategy(DDPStrategy):
         gives the other ranks a few seconds to fail on their own, then kills what is left.
         """
         super().on_exception(exception)
+        self._failed = True  # no gathering in teardown: peers may be gone
         report_job_error(f"global rank {self.global_rank} (stage {self.stage_index}, replica {self.dp_rank}) "
                          f"failed: {type(exception).__name__}: {exception}")
         procs = getattr(self.launcher, "procs", None)
@@ -478,23 +481,51 @@ class PipeStrategy(DDPStrategy):
         if not self.gather_full_model:
             self.split.stand_in.mode = "released"  # fail loudly rather than run stage s alone
             return
-        box = [self._checkpoints.module_state()]
-        dist.broadcast_object_list(box, src=0, device=self._object_device())
         self._install_whole_body()
-        self.lightning_module.load_state_dict(box[0])
 
     def _install_whole_body(self) -> None:
-        """The whole body back in the module, its other stages' layers converted and moved like the local ones."""
+        """Gather the whole model into the module on every rank (a collective), if every rank has room.
+
+        Otherwise each rank keeps its stage, the module refuses to run, and a warning points to the
+        checkpoints, which always hold the whole model.
+        """
+        module = self.lightning_module
+        fits = torch.tensor(int(2 * release.model_bytes(module) < release.available_bytes(self.root_device)))
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        if not fits.item():
+            self.split.stand_in.mode = "released"
+            rank_zero_warn("PipeStrategy: the whole model does not fit on every rank, so it was not gathered after "
+                           "fit; each rank keeps its stage. Load the whole model from a checkpoint instead")
+            return
+        box = [self._checkpoints.module_state()]
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
         self.split.install(whole=True)
-        self.precision_plugin.convert_module(self.split.body)
-        self.split.body.to(self.root_device)
+        self.precision_plugin.convert_module(module)  # other stages' layers were never converted
+        release.unrelease(module, self.root_device)
+        module.to(self.root_device)
+        module.load_state_dict(box[0])
+
+    def model_to_device(self) -> None:
+        self._move_materialized(self.root_device)
+
+    def _move_materialized(self, device: torch.device) -> None:
+        """``module.to(device)`` for the tensors this rank holds; released (meta) ones stay meta."""
+        self.model._apply(lambda t: t if t.is_meta else t.to(device))
 
     def teardown(self) -> None:
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
-        if self.split is not None and self.split.installed and self.gather_full_model and not fitting:
+        if self.split is not None and self.split.installed and self.gather_full_model and not fitting \
+                and not getattr(self, "_failed", False):
             self._install_whole_body()  # evaluation left the weights as they were: the whole body holds them
-        super().teardown()
+        if module is None:
+            return super().teardown()
+        self._move_materialized(torch.device("cpu"))  # Lightning's teardown calls module.cpu(), which meta refuses
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -1,0 +1,128 @@
+"""No rank keeps what it does not run: other stages' layers, and modules outside the body it never calls.
+
+Released parameters and buffers are replaced by ``meta`` tensors of the same shape (new objects,
+so a tied copy that this rank does run keeps its real tensor), and optimizers that held a released
+parameter hold its meta stand-in instead. Structure stays: the model summary still counts every
+layer. Non-persistent buffers (computed in ``__init__``, in no checkpoint) are kept. When they are
+released:
+
+- at setup, every body layer of another stage, on every rank; and on the stages between the first
+  and the last, which run no code of the user's step, every module outside the body;
+- after the first training step, on the first and the last stage, the modules outside the body
+  that the step did not call there and that got no gradient there (the first stage, for instance,
+  never runs the head after the body). A module whose weights the step reads without calling it
+  counts as used only through its gradient.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Dict, Iterable, Iterator, List, Sequence, Set
+
+import torch
+from torch import nn
+
+try:
+    from torchmetrics import Metric
+except ImportError:  # pragma: no cover
+    Metric = ()  # type: ignore[assignment,misc]
+
+
+def tensor_ids(modules: Iterable[nn.Module]) -> Set[int]:
+    return {id(t) for m in modules for t in list(m.parameters()) + list(m.buffers())}
+
+
+def release(modules: Iterable[nn.Module], keep: Set[int], optimizers: Sequence[torch.optim.Optimizer] = ()) -> int:
+    """Replace the tensors owned directly by ``modules`` (except those in ``keep``) by meta tensors.
+
+    Returns:
+        The bytes released.
+    """
+    swapped: Dict[int, nn.Parameter] = {}
+    originals: List[nn.Parameter] = []
+    released = 0
+    for module in modules:
+        for name, p in list(module._parameters.items()):
+            if p is None or p.is_meta or id(p) in keep:
+                continue
+            if id(p) not in swapped:
+                released += p.numel() * p.element_size()
+                originals.append(p)
+                swapped[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            module._parameters[name] = swapped[id(p)]
+        for name, b in list(module._buffers.items()):
+            # non-persistent buffers (a rotary table, a causal mask) are in no checkpoint: kept everywhere
+            if b is not None and not b.is_meta and id(b) not in keep and name not in module._non_persistent_buffers_set:
+                released += b.numel() * b.element_size()
+                module._buffers[name] = torch.empty_like(b, device="meta")
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [swapped.get(id(p), p) for p in group["params"]]
+        for p in originals:  # state loaded from a checkpoint for a copy that another stage trains
+            optimizer.state.pop(p, None)
+    return released
+
+
+def outside_body(module: nn.Module, body_path: str) -> List[nn.Module]:
+    """The modules outside the body that own tensors directly (the LightningModule itself included).
+
+    torchmetrics ``Metric`` objects are left out: every stage keeps their states for logging.
+    """
+    metrics = {id(m) for m in module.modules() if isinstance(m, Metric) for m in m.modules()}
+    out = []
+    for name, sub in module.named_modules():
+        if name == body_path or name.startswith(body_path + ".") or id(sub) in metrics:
+            continue
+        if sub._parameters or sub._buffers:
+            out.append(sub)
+    return out
+
+
+@contextmanager
+def calls_recorded() -> Iterator[Set[int]]:
+    """Collect the ids of the modules whose forward runs inside the block."""
+    called: Set[int] = set()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: called.add(id(m)))
+    try:
+        yield called
+    finally:
+        handle.remove()
+
+
+def unrelease(module: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer of ``module`` real, uninitialized memory on ``device``."""
+    swapped: Dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in swapped:
+                    swapped[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                sub._parameters[name] = swapped[id(p)]
+        for name, b in list(sub._buffers.items()):
+            if b is not None and b.is_meta:
+                sub._buffers[name] = torch.empty_like(b, device=device)
+
+
+def model_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer of the whole model, released ones included."""
+    seen: Set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory on ``device``: CUDA's free bytes, or the host's MemAvailable (a large number if unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
