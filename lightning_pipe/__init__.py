@@ -12,6 +12,7 @@ from lightning_pipe.errors import (
     ScheduleError,
     SideEffectError,
 )
+from lightning_pipe.init import MaterializationError, materialize
 from lightning_pipe.microbatch import NoChunk
 from lightning_pipe.partition import (
     SequentialModel,
@@ -35,6 +36,7 @@ __all__ = [
     "ConfigurationError",
     "DeferredBatchNorm",
     "GPipe",
+    "MaterializationError",
     "NoChunk",
     "PartitionError",
     "PipeDream",
@@ -56,5 +58,6 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "make_subgroups",
+    "materialize",
     "partition",
 ]
