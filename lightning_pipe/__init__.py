@@ -2,6 +2,7 @@
 
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
+from lightning_pipe.consolidate import consolidate
 from lightning_pipe.errors import (
     BodyCallError,
     ConfigurationError,
@@ -25,6 +26,13 @@ from lightning_pipe.partition import (
     partition,
 )
 from lightning_pipe.pipeline import GPipe, PipeDream, Pipeline
+from lightning_pipe.sharded import (
+    CheckpointError,
+    CheckpointMismatchError,
+    MissingShardError,
+    load_sharded,
+    save_sharded,
+)
 from lightning_pipe.lightning.strategy import PipeStrategy
 from lightning_pipe.lightning.tracing import PipelineTrace
 from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f1b", "pipe_gpipe"
@@ -33,10 +41,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BodyCallError",
+    "CheckpointError",
+    "CheckpointMismatchError",
     "ConfigurationError",
     "DeferredBatchNorm",
     "GPipe",
     "MaterializationError",
+    "MissingShardError",
     "NoChunk",
     "PartitionError",
     "PipeDream",
@@ -55,9 +66,12 @@ __all__ = [
     "balance_by_memory",
     "balance_by_parameters",
     "balance_by_time",
+    "consolidate",
     "is_checkpointing",
     "is_recomputing",
+    "load_sharded",
     "make_subgroups",
     "materialize",
     "partition",
+    "save_sharded",
 ]
