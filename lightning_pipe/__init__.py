@@ -2,7 +2,6 @@
 
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
-from lightning_pipe.consolidate import consolidate
 from lightning_pipe.errors import (
     BodyCallError,
     ConfigurationError,
@@ -66,7 +65,6 @@ __all__ = [
     "balance_by_memory",
     "balance_by_parameters",
     "balance_by_time",
-    "consolidate",
     "is_checkpointing",
     "is_recomputing",
     "load_sharded",

@@ -15,13 +15,20 @@ holds the whole checkpoint in CPU memory once.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from lightning_pipe.sharded import META, CheckpointError, Contents, _nest, _raise_if, _read, inspect, read_info
+from lightning_pipe.sharded import INFO, META, CheckpointError, Contents, _nest, _raise_if, _read, inspect
+
+
+def read_info(path: Union[str, Path]) -> Dict[str, Any]:
+    """``pipe.json`` of the checkpoint at ``path`` (``{}`` for a sharded checkpoint written by others)."""
+    file = Path(path) / INFO
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def numbered(state: Mapping[str, Any], groups: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:

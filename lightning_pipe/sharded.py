@@ -2,7 +2,7 @@
 
 The directory is the one Lightning's FSDPStrategy writes with ``state_dict_type="sharded"``, so
 Lightning's own ``python -m lightning.pytorch.utilities.consolidate_checkpoint <dir>`` turns it into
-one ordinary checkpoint; :func:`consolidate` (``python -m lightning_pipe.consolidate <dir> <out>``)
+one ordinary checkpoint; :func:`lightning_pipe.consolidate.consolidate` (``python -m lightning_pipe.consolidate``)
 does the same and also stores tied weights once and numbers the optimizer state as a plain run does.
 
 Layout of ``<dir>``::
@@ -205,35 +205,24 @@ def inspect(path: Union[str, Path]) -> Tuple[Optional[Contents], List[Problem]]:
     return contents, contents.shards(path)
 
 
-def read_info(path: Union[str, Path]) -> Dict[str, Any]:
-    """``pipe.json`` of the checkpoint at ``path`` (``{}`` for a sharded checkpoint written by others)."""
-    file = Path(path) / INFO
-    return json.loads(file.read_text()) if file.is_file() else {}
-
-
 # -- save ------------------------------------------------------------------------------------------
 def _save_problems(path: Path, module_state: Mapping[str, Any], optimizer_states: Sequence[Mapping[str, Any]],
                    layouts: Sequence[Sequence[Sequence[str]]]) -> List[Problem]:
-    problems: List[Problem] = []
+    texts = []
     if path.is_file():
-        problems.append(("mismatch", f"`{path}` is a file, and a sharded checkpoint is a directory: choose "
-                                     "another path or remove the file"))
+        texts.append(f"`{path}` is a file, and a sharded checkpoint is a directory: choose another path or remove it")
     meta = sorted(k for k, t in module_state.items() if isinstance(t, torch.Tensor) and t.is_meta)
     if meta:
-        problems.append(("mismatch", f"entries on the meta device cannot be saved: {_few(meta)}; materialize "
-                                     "them first (lightning_pipe.init.materialize)"))
+        texts.append(f"entries on the meta device cannot be saved: {_few(meta)}; materialize them first")
     if len(optimizer_states) != len(layouts):
-        problems.append(("mismatch", f"{len(optimizer_states)} optimizer states but {len(layouts)} layouts; "
-                                     "pass one layout per optimizer"))
+        texts.append(f"{len(optimizer_states)} optimizer states but {len(layouts)} layouts; pass one per optimizer")
     for i, (state, layout) in enumerate(zip(optimizer_states, layouts)):
-        names = {n for group in layout for n in group}
-        stray = sorted(set(state["state"]) - names)
+        stray = sorted(set(state["state"]) - {n for group in layout for n in group})
         if stray:
-            problems.append(("mismatch", f"optimizer {i} has state for parameters outside its layout: {_few(stray)}"))
+            texts.append(f"optimizer {i} has state for parameters outside its layout: {_few(stray)}")
         if len(state["groups"]) != len(layout):
-            problems.append(("mismatch", f"optimizer {i} has {len(state['groups'])} param groups but its layout "
-                                         f"{len(layout)}"))
-    return problems
+            texts.append(f"optimizer {i} has {len(state['groups'])} param groups but its layout {len(layout)}")
+    return [("mismatch", text) for text in texts]
 
 
 def _union_problems(keys_per_rank: Sequence[Sequence[str]], expected_keys: Sequence[str],
