@@ -12,6 +12,7 @@ from lightning_pipe.errors import (
     ScheduleError,
     SideEffectError,
 )
+from lightning_pipe.init import MaterializationError, materialize
 from lightning_pipe.microbatch import NoChunk
 from lightning_pipe.partition import (
     SequentialModel,
@@ -24,6 +25,13 @@ from lightning_pipe.partition import (
     partition,
 )
 from lightning_pipe.pipeline import GPipe, PipeDream, Pipeline
+from lightning_pipe.sharded import (
+    CheckpointError,
+    CheckpointMismatchError,
+    MissingShardError,
+    load_sharded,
+    save_sharded,
+)
 from lightning_pipe.lightning.strategy import PipeStrategy
 from lightning_pipe.lightning.tracing import PipelineTrace
 from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f1b", "pipe_gpipe"
@@ -32,9 +40,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BodyCallError",
+    "CheckpointError",
+    "CheckpointMismatchError",
     "ConfigurationError",
     "DeferredBatchNorm",
     "GPipe",
+    "MaterializationError",
+    "MissingShardError",
     "NoChunk",
     "PartitionError",
     "PipeDream",
@@ -55,6 +67,9 @@ __all__ = [
     "balance_by_time",
     "is_checkpointing",
     "is_recomputing",
+    "load_sharded",
     "make_subgroups",
+    "materialize",
     "partition",
+    "save_sharded",
 ]
