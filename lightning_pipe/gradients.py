@@ -84,7 +84,8 @@ def broadcast_module(module: nn.Module, device: torch.device) -> None:
     """
     by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
     for tensor in list(module.parameters()) + list(module.buffers()):
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        if not tensor.is_meta:  # meta tensors get their values from a seed every rank shares
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
     with torch.no_grad():
         for tensors in by_dtype.values():
             flat = _flatten([t.detach().to(device) for t in tensors])

@@ -343,6 +343,48 @@ class Unbalanced(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class MetaLlama(LlamaStyle):
+    """The big-model path: the blocks are created in configure_model(), under PipeStrategy on the meta device.
+
+    Outside the body (embedding, norm, head) the model is built in ``__init__`` as usual. On a
+    single device (the DDP reference) the blocks get the documented initial values:
+    ``lightning_pipe.materialize`` of the same blocks built on the meta device, with the seed
+    ``seed_everything`` set, which is what each PipeStrategy rank gives its own blocks.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = None
+
+    def configure_model(self) -> None:
+        if self.layers is not None:
+            return
+        self.layers = nn.ModuleList([LlamaBlock() for _ in range(self.n_layer)])
+        if not self.layers[0].norm1.weight.is_meta:  # one device: the initial values every pipeline starts from
+            with torch.device("meta"):
+                blocks = nn.ModuleList([LlamaBlock() for _ in range(self.n_layer)])
+            lightning_pipe.materialize(blocks, "cpu", seed=torch.initial_seed(), prefix="layers")
+            self.layers.load_state_dict(blocks.state_dict())
+
+
+class Materialized(Callback):
+    """Each rank writes which tensors it holds for real when training starts (``materialized_<run>_<rank>.json``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        body = strategy.split.body if getattr(strategy, "split", None) is not None else pl_module.layers
+        held = {f"layers.{n}": [not t.is_meta for t in list(m.parameters()) + list(m.buffers())]
+                for n, m in body.named_children()}
+        initial = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items() if not v.is_meta}
+        with open(self.path.format(rank=trainer.global_rank), "w") as f:
+            json.dump({"layers": held, "outside_real": sorted(
+                n for n, p in pl_module.named_parameters() if not n.startswith("layers.") and not p.is_meta)}, f)
+        torch.save(initial, self.path.format(rank=trainer.global_rank).replace(".json", ".pt"))
+
+
 class BadArgs(LlamaStyle):
     def logits(self, tokens):
         x = self.embed(tokens)
@@ -400,7 +442,7 @@ CASES = {
     "llama": (LlamaStyle, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_args": (BadArgs, "tokens"),
-    "ema": (EmaInStep, "noise"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
+    "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"),
 }
 
@@ -441,11 +483,14 @@ def run(spec: dict, root: str) -> dict:
             pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
             schedule=spec.get("schedule", "1f1b"), checkpoint=spec.get("checkpoint", "never"),
             loss_reduction="sum" if spec["case"] == "sum" else "mean", body=spec.get("body"), balance=spec.get("balance"),
+            state_dict_type=spec.get("state_dict_type"),
         )
     else:
         strategy = spec["strategy"]
     outputs, checkpoint = Outputs(), ModelCheckpoint(dirpath=os.path.join(root, name, "ckpt"), save_last=True)
     callbacks = [outputs, checkpoint]
+    if spec["case"] == "meta_llama":
+        callbacks.append(Materialized(os.path.join(root, f"materialized_{name}_{{rank}}.json")))
     if "trace" in spec:  # [first batch, number of batches]
         callbacks.append(lightning_pipe.PipelineTrace(*spec["trace"], dirpath=os.path.join(root, name, "trace")))
     trainer = pl.Trainer(
@@ -456,7 +501,10 @@ def run(spec: dict, root: str) -> dict:
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0,
     )
     train, val = loaders(CASES[spec["case"]][1])
-    trainer.fit(model, train, val)
+    ckpt_path = spec.get("resume")
+    trainer.fit(model, train, val, ckpt_path=os.path.join(root, ckpt_path) if ckpt_path else None)
+    if spec.get("save_after_fit"):  # the most common way to save
+        trainer.save_checkpoint(os.path.join(root, name, "final.ckpt"))
     rank = trainer.global_rank
     draws = getattr(model, "draws", None)
     if draws is not None:

@@ -30,6 +30,17 @@ from lightning_pipe.partition import SequentialModel, balance_by_parameters, che
 from lightning_pipe.ties import Tie, aliases, find_ties
 
 
+def balance_of(body: nn.Module, balance: Optional[Sequence[int]], num_stages: int, path: str) -> List[int]:
+    """Layers per stage: ``balance`` checked, or by default even parameter counts."""
+    num_layers = len(body._modules)
+    if num_stages > num_layers:
+        raise PartitionError(
+            f"PipeStrategy(pipe_size={num_stages}) needs at least {num_stages} layers, but the body "
+            f"`{path}` has {num_layers}; use pipe_size <= {num_layers} or split the body into more layers"
+        )
+    return check_balance(balance, num_layers, num_stages) if balance is not None else balance_by_parameters(body, num_stages)
+
+
 class SplitModel:
     """The split of one LightningModule for one stage (see the module docstring).
 
@@ -37,22 +48,16 @@ class SplitModel:
         module: the LightningModule; its body is replaced by the stand-in.
         path: the body's attribute path.
         body: the body (``nn.Sequential`` or ``nn.ModuleList``).
-        balance: layers per stage, or None for the parameter balance.
+        balance: layers per stage (see :func:`balance_of`).
         stage_index: this stage.
         num_stages: the number of stages.
         channel: the call channel of layer-list bodies.
     """
 
-    def __init__(self, module: nn.Module, path: str, body: nn.Module, balance: Optional[Sequence[int]],
+    def __init__(self, module: nn.Module, path: str, body: nn.Module, balance: Sequence[int],
                  stage_index: int, num_stages: int, channel: CallChannel) -> None:
         names = list(body._modules)
-        if num_stages > len(names):
-            raise PartitionError(
-                f"PipeStrategy(pipe_size={num_stages}) needs at least {num_stages} layers, but the body "
-                f"`{path}` has {len(names)}; use pipe_size <= {len(names)} or split the body into more layers"
-            )
-        self.balance = check_balance(balance, len(names), num_stages) if balance is not None else \
-            balance_by_parameters(body, num_stages)
+        self.balance = check_balance(balance, len(names), num_stages)
         self.path, self.body, self.names = path, body, names
         self.stage_index, self.num_stages = stage_index, num_stages
         self.ranges = split_points(self.balance)

@@ -9,6 +9,7 @@ any number of stages.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
@@ -18,6 +19,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.sharded import load_sharded, save_sharded
+
+_LOADED_IN_PLACE = "_lightning_pipe_loaded"  # marks a checkpoint dict whose tensors are in the module already
 
 
 def _cpu(value: Any) -> Any:
@@ -151,10 +155,13 @@ class Checkpoints:
         dist.gather_object(contribution if self.dp_rank == 0 else None, gathered, dst=0)
         return [c for c in gathered if c is not None] if gathered is not None else None
 
-    def module_state(self) -> Dict[str, torch.Tensor]:
-        """The unsplit module's ``state_dict`` on global rank 0 (empty elsewhere)."""
+    def module_state(self, gather: bool = True) -> Dict[str, torch.Tensor]:
+        """The unsplit module's ``state_dict`` on global rank 0 (empty elsewhere), or this rank's part."""
         state = self.module.state_dict()
-        parts = self._gather_to_zero(module_contribution(self.module, self.split.owned_keys(list(state))))
+        mine = module_contribution(self.module, self.split.owned_keys(list(state)))
+        if not gather:
+            return mine
+        parts = self._gather_to_zero(mine)
         if parts is None:
             return {}
         merged: Dict[str, torch.Tensor] = {}
@@ -165,21 +172,45 @@ class Checkpoints:
                 merged[alias] = merged[key]
         return OrderedDict((k, merged[k]) for k in self.split.key_order if k in merged)
 
-    def optimizer_state(self, optimizer: Optimizer, index: int) -> Dict[str, Any]:
-        """The unsplit model's ``optimizer.state_dict()`` on global rank 0 (empty elsewhere)."""
+    def optimizer_state(self, optimizer: Optimizer, index: int, gather: bool = True) -> Dict[str, Any]:
+        """The unsplit model's ``optimizer.state_dict()`` on global rank 0 (empty elsewhere), or this rank's part."""
         names = self._names()
         owned = {names[id(p)] for group in optimizer.param_groups for p in group["params"]
                  if id(p) in names and self.split.counts_in_norm(names[id(p)])}
-        parts = self._gather_to_zero(optimizer_contribution(optimizer, names, owned))
+        mine = optimizer_contribution(optimizer, names, owned)
+        if not gather:
+            return mine
+        parts = self._gather_to_zero(mine)
         return assemble_optimizer(parts, self.layouts[index]) if parts is not None else {}
 
-    def load_module_state(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
+    def save_sharded(self, checkpoint: Dict[str, Any], path: str, global_zero: bool) -> None:
+        """Write ``checkpoint`` (this rank's parts) as a sharded directory; every rank calls it."""
+        state, optimizers = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        save_sharded(path, state, optimizers, self.layouts, checkpoint if global_zero else None,
+                     aliases=self.split.key_aliases, expected_keys=self.split.key_order, group=None)
+
+    def load(self, path: str, optimizers: Sequence[Optimizer], strict: bool, weights_only: Optional[bool]) -> Dict[str, Any]:
+        """A checkpoint for this rank: a sharded directory read in part, or a file mapped, not read, whole."""
+        if not os.path.isdir(path):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+        templates = {k: v for k, v in self.module.state_dict().items() if not v.is_meta}
+        names = self._names()
+        wanted = [[n for group in group_names(o, names) for n in group] for o in optimizers] if optimizers else None
+        checkpoint = load_sharded(path, templates, wanted, layouts=self.layouts if optimizers else None,
+                                  expected_keys=self.split.key_order, strict=strict, weights_only=weights_only)
+        checkpoint[_LOADED_IN_PLACE] = True
+        return checkpoint
+
+    def load_module_state(self, checkpoint: Dict[str, Any], strict: bool) -> None:
         """Load this rank's materialized entries; check the keys against the whole model's first.
 
         Raises:
             ConfigurationError: with ``strict``, the checkpoint's keys are not the model's (on every
                 rank, before anything is loaded).
         """
+        if checkpoint.pop(_LOADED_IN_PLACE, False):
+            return  # load_sharded filled this rank's tensors already, after checking the keys
+        state_dict = checkpoint["state_dict"]
         expected = set(self.split.key_order)
         missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
         if strict and (missing or unexpected):

@@ -14,10 +14,13 @@ still runs the precision plugin's hooks so ``on_before_backward``/``on_after_bac
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,11 +41,12 @@ from lightning_pipe.lightning.body import find_body
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
-from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
+from lightning_pipe.lightning.split import SplitModel, balance_of, trainable_placeholder
 from lightning_pipe.lightning.state import Checkpoints
 from lightning_pipe.lightning.steps import StepRunner, outputs_of
 from lightning_pipe.microbatch import scatter
-from lightning_pipe.partition import balance_by_cost
+from lightning_pipe.init import materialize
+from lightning_pipe.partition import balance_by_cost, split_points
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import SCHEDULES
 from lightning_pipe.ties import TiedGradients
@@ -89,6 +93,12 @@ class PipeStrategy(DDPStrategy):
             or ``"sum"`` (it sums over samples).
         gather_full_model: after ``fit``, put the whole trained model back into the
             LightningModule on every rank (set False to save memory; then the module refuses to run).
+        state_dict_type: ``"full"``: checkpoints are ordinary Lightning files of the whole model,
+            gathered on global rank 0. ``"sharded"``: a directory written with
+            ``torch.distributed.checkpoint``, each rank writing only its own tensors (convert with
+            ``python -m lightning.pytorch.utilities.consolidate_checkpoint``). Default: sharded when
+            the module was built on the meta device (``configure_model``, ``init_module(empty_init=True)``:
+            the big-model path, where no rank may hold the whole model), full otherwise.
         log_pipeline_metrics: every ``log_every_n_steps`` steps, measure one step and log to the
             trainer's logger (global rank 0) ``pipe/bubble_fraction``, ``pipe/busy_fraction/stage_<s>``,
             ``pipe/wait_seconds/stage_<s>``, ``pipe/step_seconds`` and ``pipe/samples_per_second``.
@@ -116,6 +126,7 @@ class PipeStrategy(DDPStrategy):
         body: Optional[str] = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         gather_full_model: bool = True,
+        state_dict_type: Optional[Literal["full", "sharded"]] = None,
         log_pipeline_metrics: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[List[torch.device]] = None,
@@ -144,7 +155,9 @@ class PipeStrategy(DDPStrategy):
         self.checkpoint = check_checkpoint(checkpoint)
         self.deferred_batch_norm, self.balance, self.body = deferred_batch_norm, balance, body
         self.loss_reduction, self.gather_full_model = loss_reduction, gather_full_model
-        self.log_pipeline_metrics = log_pipeline_metrics
+        self.log_pipeline_metrics, self.state_dict_type = log_pipeline_metrics, state_dict_type
+        if state_dict_type not in (None, "full", "sharded"):
+            raise ConfigurationError(f"PipeStrategy(state_dict_type={state_dict_type!r}): choose 'full' or 'sharded'")
         if isinstance(balance, str) and balance not in profile.BALANCES:
             raise ConfigurationError(f"PipeStrategy(balance={balance!r}): give layer counts or one of {list(profile.BALANCES)}")
         self.split: Optional[SplitModel] = None
@@ -259,19 +272,47 @@ class PipeStrategy(DDPStrategy):
         if self.deferred_batch_norm:
             DeferredBatchNorm.convert_deferred_batch_norm(module)
         path, body = find_body(module, self.body)
+        built_on_meta = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
         gradients.broadcast_module(module, self.root_device)  # every stage and replica starts from rank 0's weights
         balance, self._costs = self.balance, None
         if isinstance(balance, str) and balance != "parameters":
+            if built_on_meta and balance != "flops":
+                raise ConfigurationError(f"PipeStrategy(balance={balance!r}) runs the whole model on one device, but it "
+                                         "was built on the meta device; use balance='flops' or layer counts")
             self._costs = self._measure(balance, module, path, body, trainer)
             balance = balance_by_cost(self._costs, self.pp_size)
+        balance = balance_of(body, None if balance == "parameters" else balance, self.pp_size, path)
+        if built_on_meta:
+            self._materialize(module, path, body, balance)
+        self._sharded = self.state_dict_type == "sharded" or self.state_dict_type is None and built_on_meta
         channel = CallChannel(dist.PrefixStore("lightning_pipe/calls/", dist.distributed_c10d._get_default_store()))
-        self.split = SplitModel(module, path, body, None if balance == "parameters" else balance, self.stage_index,
-                                self.pp_size, channel)
+        self.split = SplitModel(module, path, body, balance, self.stage_index, self.pp_size, channel)
         self._effects = StepEffects(module, 1)
         self._recorder = logs.LogRecorder(module, path)
         self._runner = StepRunner(module, self.split.stand_in, path, self._recorder, self._effects,
                                   self.checkpoint, self.loss_reduction)
         self._ties = None
+
+    def _materialize(self, module: torch.nn.Module, path: str, body: torch.nn.Module, balance: List[int]) -> None:
+        """Give this stage's layers, and the modules outside the body if it runs them, their initial values.
+
+        The values are the modules' own ``reset_parameters()`` under a seed per module name (see
+        :func:`lightning_pipe.materialize`): the same for every layout, and the same as
+        ``materialize(model, device, seed)`` on one device, with ``seed`` global rank 0's
+        ``torch.initial_seed()`` (what ``seed_everything`` set).
+        """
+        box = [torch.initial_seed() if self.global_rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        start, stop = split_points(balance)[self.stage_index]
+        local = {f"{path}.{name}" for name in list(body._modules)[start:stop]}
+        runs_outside = self.stage_index in (0, self.pp_size - 1)
+
+        def include(name: str) -> bool:
+            if name == path or name.startswith(path + "."):
+                return any(name == n or name.startswith(n + ".") for n in local)
+            return runs_outside
+
+        materialize(module, self.root_device, seed=box[0] % (1 << 63), include=include)
 
     def _measure(self, kind: str, module: torch.nn.Module, path: str, body: torch.nn.Module, trainer: Any) -> List[float]:
         """Global rank 0 costs each layer on a sample batch; every rank gets its numbers (see :mod:`.profile`)."""
@@ -432,22 +473,60 @@ class PipeStrategy(DDPStrategy):
                                 reduce_op="sum")
         return bool(summed == self.world_size) if all else bool(summed)
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints (see .state.Checkpoints) ---------------------------------------------------
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """``configure_model()`` builds on the meta device; setup materializes only this stage."""
+        with torch.device("meta"):
+            yield
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # after the split: each rank loads only its own tensors
+
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         if self.split is None or not self.split.installed:
             return super().lightning_module_state_dict()
-        return self._checkpoints.module_state() if self._checkpoints else {}
+        return self._checkpoints.module_state(gather=not self._sharded)
 
     def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if self._checkpoints is None or optimizer not in self._bare_optimizers():
             return super().optimizer_state(optimizer)
-        return self._checkpoints.optimizer_state(optimizer, self._bare_optimizers().index(optimizer))
+        return self._checkpoints.optimizer_state(optimizer, self._bare_optimizers().index(optimizer),
+                                                 gather=not self._sharded)
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self._sharded or self._checkpoints is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._checkpoints.save_sharded(checkpoint, filepath, self.is_global_zero)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and os.path.isdir(filepath):
+            shutil.rmtree(filepath)
+        elif not os.path.isdir(filepath):
+            super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        if self._checkpoints is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return self._checkpoints.load(checkpoint_path, self._bare_optimizers() if fitting else [],
+                                      strict=self.lightning_module.strict_loading, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
         if self.split is None or not self.split.installed:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        self._checkpoints.load_module_state(checkpoint["state_dict"], strict)
+        self._checkpoints.load_module_state(checkpoint, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
         if self._checkpoints is None:
