@@ -52,11 +52,14 @@ class StepState(Callback):
         self.strategy.share_step_state()
 
 
+def overrides(obj: Any, hook: str) -> bool:
+    """Whether a LightningModule or a Callback defines its own ``hook``."""
+    base = LightningModule if isinstance(obj, LightningModule) else Callback
+    return getattr(type(obj), hook) is not getattr(base, hook)
+
+
 def overrides_optimizer_step_hook(module: LightningModule, callbacks: List[Callback]) -> bool:
-    hook = "on_before_optimizer_step"
-    return getattr(type(module), hook) is not getattr(LightningModule, hook) or any(
-        getattr(type(c), hook) is not getattr(Callback, hook) for c in callbacks
-    )
+    return any(overrides(obj, "on_before_optimizer_step") for obj in [module, *callbacks])
 
 
 def combine_optimizer_step_logs(strategy: Any) -> None:

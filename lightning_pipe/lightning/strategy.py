@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -342,6 +343,8 @@ class PipeStrategy(DDPStrategy):
             executor.recorder = _OneStep()
         with self.precision_plugin.train_step_context():
             earlier = gradients.take_grads(module.parameters())
+            if self._zeroed_after_step(module.trainer):
+                earlier = {}  # stale: Lightning zeroes them after this step; freed now, before new ones exist
             with self._recorder.recording(), release.calls_recorded() as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
@@ -375,6 +378,14 @@ class PipeStrategy(DDPStrategy):
             batch_size = sum(self._pipeline.last_sizes) * self.dp_size
             self.lightning_module.log_dict(tracing.step_metrics(records, batch_size), on_step=True, on_epoch=False,
                                            rank_zero_only=True)
+
+    def _zeroed_after_step(self, trainer: Any) -> bool:
+        """Whether the gradients present now are the last optimizer step's, which Lightning zeroes right after
+        this training_step (first batch of an accumulation window), and no hook could look at them first."""
+        module = self.lightning_module
+        looks = type(module).optimizer_zero_grad is not LightningModule.optimizer_zero_grad or \
+            any(hooks.overrides(c, "on_before_zero_grad") for c in [module, *trainer.callbacks])
+        return not looks and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
 
     def _learn_usage(self) -> None:
         """First step: which stage trains each parameter outside the body (see :class:`SplitModel`)."""
