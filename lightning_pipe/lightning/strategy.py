@@ -319,14 +319,17 @@ class PipeStrategy(DDPStrategy):
         """Global rank 0 costs each layer on a sample batch; every rank gets its numbers (see :mod:`.profile`)."""
         box: List[Any] = [None]
         if self.global_rank == 0:
+            # FLOPs are counted on meta stand-ins: that model stays where it is, meta parts included
             device = self.root_device if kind != "flops" else torch.device("cpu")
-            module.to(device)
+            if kind != "flops":
+                module.to(device)
             try:
                 with self.precision_plugin.train_step_context():
                     batch = self.batch_to_device(profile.sample_batch(trainer), device)
                     box = [profile.layer_costs(kind, module, path, body, batch)]
             finally:
-                module.to("cpu")
+                if kind != "flops":
+                    module.to("cpu")
         dist.broadcast_object_list(box, src=0, device=self._object_device())
         return box[0]
 
