@@ -76,18 +76,26 @@ def clip_by_global_norm(
         p.grad.mul_(coefficient.to(p.grad.device, p.grad.dtype))
 
 
-def broadcast_module(module: nn.Module, device: torch.device) -> None:
+def broadcast_module(module: nn.Module, device: torch.device, bucket_bytes: int = 16 << 20) -> None:
     """Rank 0's parameters and buffers to every rank, staged through ``device``.
 
     The module may still be on the CPU, which NCCL cannot broadcast, so tensors are flattened
-    per dtype on ``device`` (one broadcast each) and copied back.
+    per dtype on ``device`` into buckets of about ``bucket_bytes`` (one broadcast each, and never
+    a second copy of the whole model) and copied back.
     """
-    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    buckets: Dict[torch.dtype, List[List[torch.Tensor]]] = {}
+    filled: Dict[torch.dtype, int] = {}
     for tensor in list(module.parameters()) + list(module.buffers()):
-        if not tensor.is_meta:  # meta tensors get their values from a seed every rank shares
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        if tensor.is_meta:  # meta tensors get their values from a seed every rank shares
+            continue
+        dtype_buckets = buckets.setdefault(tensor.dtype, [[]])
+        if filled.get(tensor.dtype, 0) >= bucket_bytes:
+            dtype_buckets.append([])
+            filled[tensor.dtype] = 0
+        dtype_buckets[-1].append(tensor)
+        filled[tensor.dtype] = filled.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
     with torch.no_grad():
-        for tensors in by_dtype.values():
+        for tensors in (bucket for dtype_buckets in buckets.values() for bucket in dtype_buckets):
             flat = _flatten([t.detach().to(device) for t in tensors])
             dist.broadcast(flat, src=0)
             for t, synced in zip(tensors, _unflatten(flat, tensors)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -36,7 +37,8 @@ def runs(tmp_path_factory):
 
     launch("one", [_spec("ref", "ddp", 1), _spec("ref_resume", "ddp", 1, epochs=2, resume="ref/ckpt/last.ckpt")])
     launch("two", [_spec("p2", "pipe", 2, save_after_fit=True), _spec("ddp2", "ddp", 2),
-                   _spec("p2_full", "pipe", 2, save_after_fit=True, state_dict_type="full")])
+                   _spec("p2_full", "pipe", 2, save_after_fit=True, state_dict_type="full"),
+                   _spec("p2_flops", "pipe", 2, balance="flops", steps=1)])
     sharded = str(roots["two"] / "p2" / "ckpt" / "epoch=0-step=6.ckpt")
     launch("three", [_spec("p3", "pipe", 3), _spec("p3_resume", "pipe", 3, epochs=2, resume=sharded)])
     launch("four", [_spec("p2x2", "pipe", 4, pipe_size=2), _spec("p4", "pipe", 4, steps=1, microbatches=4)])
@@ -56,7 +58,8 @@ def test_a_model_built_in_configure_model_trains_as_under_ddp(runs, name, refere
     assert_same_training(runs[0][name], runs[0][reference])
 
 
-@pytest.mark.parametrize("launch, name, stages", [("two", "p2", 2), ("three", "p3", 3), ("four", "p4", 4)])
+@pytest.mark.parametrize("launch, name, stages", [("two", "p2", 2), ("three", "p3", 3), ("four", "p4", 4),
+                                                  ("two", "p2_flops", 2)])
 def test_each_rank_materializes_only_its_own_blocks_with_the_documented_values(runs, launch, name, stages):
     _, roots, _ = runs
     root = roots[launch]
@@ -117,3 +120,25 @@ def test_a_sharded_checkpoint_with_a_missing_shard_is_refused_on_every_rank(runs
     )
     assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
     assert output.count("MissingShardError") >= 2 and "__1_0.distcp" in output, output[-4000:]
+
+
+def test_balance_by_flops_counts_a_meta_built_model_without_materializing_it(runs):
+    """Global rank 0 counts every block's FLOPs on meta stand-ins; the blocks of the other stage stay meta
+    there (see the materialization test for p2_flops) and the summary shows the estimate per stage."""
+    _, _, outputs = runs
+    assert re.search(r"stage 0: layers 0\.\.1 \(2\), [\d,]+ parameters, ranks \[0\], flops [\d.e+]+ GFLOP", outputs["two"])
+
+
+def test_each_rank_holds_about_its_share_of_the_training_state():
+    """benchmarks/memory_per_rank.py at p = 2, body built in configure_model(): each rank's peak resident
+    memory above its start stays near its stage's parameters, gradients and AdamW state (a loose bound;
+    the benchmark reports the exact ratios)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.memory_per_rank import run
+
+    ranks = run(2, True, 3)
+    assert len(ranks) == 2
+    for rank in ranks:
+        ideal = 4 * rank["stage_bytes"] + 4 * rank["outside_bytes"]
+        assert rank["stage_bytes"] == 8 * 2048 * 2049 * 4  # half of the 16 blocks, and nothing of the other half
+        assert rank["peak"] < 1.5 * ideal, (rank["peak"] / 2**20, ideal / 2**20)

@@ -20,7 +20,26 @@ from examples.stdlib_lm.model import ByteLM  # noqa: E402
 
 
 def main() -> None:
-    LightningCLI(ByteLM, StdlibTextDataModule)
+    cli = LightningCLI(ByteLM, StdlibTextDataModule)
+    trainer = cli.trainer
+    if cli.subcommand == "fit" and trainer.is_global_zero:
+        print(closing_summary(trainer))
+
+
+def closing_summary(trainer) -> str:
+    """What the run ended with and where it left its files."""
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    lines = [f"trained {trainer.global_step} steps: " + ", ".join(
+        f"{name} {metrics[name]:.3f}" for name in ("train_loss", "val_loss", "val_bpb") if name in metrics)]
+    lines.append(f"logs:       {trainer.log_dir}/metrics.csv")
+    checkpoint = trainer.checkpoint_callback
+    path = checkpoint and (checkpoint.last_model_path or checkpoint.best_model_path)
+    if path:
+        lines.append(f"checkpoint: {path}")
+    for callback in trainer.callbacks:
+        for path in getattr(callback, "paths", []):
+            lines.append(f"timeline:   {path}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
