@@ -491,8 +491,8 @@ def run(spec: dict, root: str) -> dict:
     callbacks = [outputs, checkpoint]
     if spec["case"] == "meta_llama":
         callbacks.append(Materialized(os.path.join(root, f"materialized_{name}_{{rank}}.json")))
-    if "trace" in spec:  # [first batch, number of batches]
-        callbacks.append(lightning_pipe.PipelineTrace(*spec["trace"], dirpath=os.path.join(root, name, "trace")))
+    if "trace" in spec:  # [first batch, number of batches]; the files go into the logger's folder
+        callbacks.append(lightning_pipe.PipelineTrace(*spec["trace"]))
     trainer = pl.Trainer(
         accelerator="cpu", devices=spec["devices"], strategy=strategy, max_epochs=spec.get("epochs", 1),
         max_steps=spec.get("steps", -1),

@@ -79,10 +79,15 @@ def test_cli_with_registered_strategy_name(tmp_path):
 
 
 def test_cli_with_shipped_config(tmp_path):
-    """The config's class_path form: PipeStrategy(pipe_size=2, num_microbatches=4, schedule=1f1b)."""
-    output, log_dir = fit(tmp_path)
+    """The config's class_path form: PipeStrategy(pipe_size=2, num_microbatches=4, schedule=1f1b), and a
+    PipelineTrace callback recording batches 2 and 3 here; the run ends by saying where its files are."""
+    output, log_dir = fit(tmp_path, "--trainer.callbacks.first=2")
     assert "lightning_pipe.PipeStrategy" in (log_dir / "config.yaml").read_text()
     assert "PipeStrategy: 2 stages x 1 replicas, schedule 1f1b, 4 microbatches" in output, output[-3000:]
+    assert re.search(r"trained 4 steps: train_loss [\d.]+, val_loss [\d.]+, val_bpb [\d.]+", output), output[-3000:]
+    assert f"logs:       {log_dir}/metrics.csv" in output
+    assert f"checkpoint: {log_dir}/checkpoints/epoch=0-step=4.ckpt" in output
+    assert f"timeline:   {log_dir}/pipeline_timeline.png" in output and (log_dir / "pipeline_trace.json").exists()
 
 
 def test_digits_unet_example_trains(tmp_path):

@@ -15,7 +15,7 @@ from lightning_pipe.schedule import SCHEDULES
 
 
 def _trace(root, name):
-    with open(root / name / "trace" / "pipeline_trace.json") as f:
+    with open(root / name / "version_0" / "pipeline_trace.json") as f:
         return json.load(f)["traceEvents"]
 
 
@@ -26,7 +26,8 @@ def test_the_trace_holds_every_action_of_the_schedule_once_per_step_in_order(lm_
                                                                             stages, batches):
     _, root, output = lm_runs(launch)
     assert f"PipelineTrace: batches {batches[0]}..{batches[-1]} written to" in output
-    png = (root / name / "trace" / "pipeline_timeline.png").read_bytes()
+    # into the logger's folder: asking Lightning for it is a collective (regression: only rank 0 asked, and hung)
+    png = (root / name / "version_0" / "pipeline_timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     events = [e for e in _trace(root, name) if e.get("ph") == "X" and e.get("cat") == "compute"]
     assert all(e["dur"] >= 0 for e in events)

@@ -21,9 +21,10 @@ from examples.stdlib_lm.model import ByteLM  # noqa: E402
 
 def main() -> None:
     cli = LightningCLI(ByteLM, StdlibTextDataModule)
-    trainer = cli.trainer
-    if cli.subcommand == "fit" and trainer.is_global_zero:
-        print(closing_summary(trainer))
+    if cli.subcommand == "fit":
+        summary = closing_summary(cli.trainer)  # on every rank: trainer.log_dir is a collective
+        if cli.trainer.is_global_zero:
+            print(summary)
 
 
 def closing_summary(trainer) -> str:

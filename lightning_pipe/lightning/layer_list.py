@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from lightning_pipe.errors import BodyCallError
 from lightning_pipe.lightning.body import BodyReached, StandIn
@@ -90,8 +90,9 @@ class CallChannel:
     def publish(self, structure: Structure) -> int:
         if self._last is not None and _same_structure(self._last[0], structure):
             return self._last[1]
-        try:
-            data = pickle.dumps(structure)
+        spec, constants, slots = structure
+        try:  # the tree spec in torch's own serialized form (pickling a TreeSpec is deprecated)
+            data = pickle.dumps((treespec_dumps(spec), constants, slots))
         except Exception as exc:
             raise BodyCallError(
                 f"the blocks' extra arguments hold a value that cannot be sent to other stages ({exc}); pass "
@@ -106,7 +107,8 @@ class CallChannel:
 
     def lookup(self, key: int) -> Structure:
         if key not in self._by_key:
-            self._by_key[key] = pickle.loads(self.store.get(f"{key:x}"))
+            spec, constants, slots = pickle.loads(self.store.get(f"{key:x}"))
+            self._by_key[key] = (treespec_loads(spec), constants, slots)
         return self._by_key[key]
 
 

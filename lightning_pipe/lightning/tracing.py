@@ -82,14 +82,16 @@ class PipelineTrace(Callback):
         pipeline.executor.recorder = None
         self._seen += 1
         if self._seen == self.first + self.count:
-            self._write(trainer, pipeline.gather_trace(self._recorder.records))
+            records = pipeline.gather_trace(self._recorder.records)
+            # trainer.log_dir is a collective (a broadcast over every rank): asked for on every rank
+            folder = self.dirpath or trainer.log_dir or trainer.default_root_dir
+            self._write(trainer, records, folder)
 
-    def _write(self, trainer: Any, records: Optional[List[StepRecord]]) -> None:
+    def _write(self, trainer: Any, records: Optional[List[StepRecord]], folder: str) -> None:
         if records is None or trainer.global_rank != 0:
             return
         from lightning_pipe import timeline
 
-        folder = self.dirpath or trainer.log_dir or trainer.default_root_dir
         os.makedirs(folder, exist_ok=True)
         self.paths = [timeline.write_chrome_trace(records, os.path.join(folder, "pipeline_trace.json"))]
         try:
