@@ -14,7 +14,8 @@ from lightning_pipe.errors import (
 )
 from lightning_pipe.microbatch import NoChunk
 from lightning_pipe.partition import SequentialModel, balance_by_layers, balance_by_parameters, partition
-from lightning_pipe.pipeline import GPipe, PipeDream, Pipeline
+from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipelines import GPipe, Interleaved1F1B, PipeDream, ZeroBubbleH1, ZeroBubbleV
 from lightning_pipe.lightning.strategy import PipeStrategy
 from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f1b", "pipe_gpipe"
 
@@ -25,6 +26,7 @@ __all__ = [
     "ConfigurationError",
     "DeferredBatchNorm",
     "GPipe",
+    "Interleaved1F1B",
     "NoChunk",
     "PartitionError",
     "PipeDream",
@@ -36,6 +38,8 @@ __all__ = [
     "ScheduleError",
     "SequentialModel",
     "SideEffectError",
+    "ZeroBubbleH1",
+    "ZeroBubbleV",
     "balance_by_layers",
     "balance_by_parameters",
     "is_checkpointing",

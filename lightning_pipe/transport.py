@@ -1,4 +1,4 @@
-"""Point-to-point transport of activations and gradients between neighbouring stages.
+"""Point-to-point transport of activations and gradients between stages on different ranks.
 
 Messages are tuples of tensors. Their shapes, dtypes and ``requires_grad`` flags ("meta") are
 exchanged only when they may have changed: each step starts with one small header that stage 0
@@ -8,8 +8,10 @@ microbatch (so the steady state moves only data); if so, each activation message
 its meta for that step (so variable sequence lengths work). Gradients never need a meta: they
 have the shapes of the activations this stage sent.
 
-Per link, direction and tag, messages are matched in FIFO order, which the schedule validator
-proves both ends follow. On gloo, receives are posted ahead of need; on NCCL, where a pair's operations
+A message is named by its tag, the sending and receiving stages and the microbatch; a stage's
+rank comes from the schedule's placement (``stage_ranks``), so a rank may hold several stages.
+Per link (pair of ranks), direction and tag, messages are matched in FIFO order whichever stages
+they belong to, which the schedule validator proves both ends follow. On gloo, receives are posted ahead of need; on NCCL, where a pair's operations
 share one stream, the communication of consecutive actions is issued as one
 ``batch_isend_irecv`` group instead (as Megatron does), so opposite sends cannot block each other.
 """
@@ -77,24 +79,28 @@ _DATA_OF_GRADIENT = {GRADIENTS: ACTIVATIONS, SKIP_GRADIENTS: SKIPS}
 
 
 class Transport:
-    """Sends and receives one stage's messages over ``group``.
+    """Sends and receives one rank's messages over ``group``.
 
     A message is identified by its tag (``ACTIVATIONS``, ``GRADIENTS``, ``SKIPS``,
-    ``SKIP_GRADIENTS``), the peer stage and the microbatch.
+    ``SKIP_GRADIENTS``), the local stage, the peer stage and the microbatch.
 
     Args:
-        group: the pipeline's process group; group rank ``s`` runs stage ``s``.
-        stage_index: the local stage.
-        num_stages: the number of stages.
+        group: the pipeline's process group.
+        pp_rank: this rank in ``group``.
+        num_ranks: the size of ``group``.
         device: where received tensors are allocated.
         errors: the pipeline's error channel, used while waiting.
+        stage_ranks: the group rank of each stage (default: stage ``s`` on rank ``s``).
     """
 
-    def __init__(self, group, stage_index: int, num_stages: int, device: torch.device, errors: ErrorChannel) -> None:
+    def __init__(self, group, pp_rank: int, num_ranks: int, device: torch.device, errors: ErrorChannel,
+                 stage_ranks: Optional[Sequence[int]] = None) -> None:
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
-        self.stage_index = stage_index
-        self.num_stages = num_stages
+        self.pp_rank = pp_rank
+        self.num_ranks = num_ranks
+        self.stage_ranks = tuple(stage_ranks) if stage_ranks is not None else tuple(range(num_ranks))
+        self._peer = [self.ranks[r] for r in self.stage_ranks]  # global rank of each stage
         self.device = device
         self.errors = errors
         self.batched = dist.get_backend(group) == "nccl"
@@ -105,15 +111,15 @@ class Transport:
 
     # -- step header ---------------------------------------------------------------------------
     def exchange_header(self, header: Optional[List[int]], length: int) -> List[int]:
-        """Stage 0 passes its header; other stages receive it. Every stage forwards it on."""
-        if self.stage_index > 0:
+        """Rank 0 passes its header; other ranks receive it. Every rank forwards it on."""
+        if self.pp_rank > 0:
             buffer = torch.empty(length, dtype=torch.int64, device=self.device)
-            work = dist.irecv(buffer, self.ranks[self.stage_index - 1], group=self.group, tag=HEADER)
-            self.errors.wait(work, f"the step header from stage {self.stage_index - 1}")
+            work = dist.irecv(buffer, self.ranks[self.pp_rank - 1], group=self.group, tag=HEADER)
+            self.errors.wait(work, f"the step header from pp rank {self.pp_rank - 1}")
             header = buffer.tolist()
-        if self.stage_index < self.num_stages - 1:
+        if self.pp_rank < self.num_ranks - 1:
             tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
-            self._sends.append((dist.isend(tensor, self.ranks[self.stage_index + 1], group=self.group, tag=HEADER), tensor))
+            self._sends.append((dist.isend(tensor, self.ranks[self.pp_rank + 1], group=self.group, tag=HEADER), tensor))
         self.fresh = bool(header[1])
         if self.fresh:
             self._recv_meta.clear()
@@ -121,52 +127,54 @@ class Transport:
         return header
 
     # -- data (activations and skip tensors) -----------------------------------------------------
-    def send(self, tag: int, peer: int, microbatch_index: int, tensors: Sequence[torch.Tensor]) -> list:
-        """The ops that send data tensors of one microbatch to stage ``peer``."""
+    def send(self, tag: int, stage: int, peer: int, microbatch_index: int, tensors: Sequence[torch.Tensor]) -> list:
+        """The ops that send data tensors of one microbatch from ``stage`` to stage ``peer``."""
+        rank = self._peer[peer]
         if tag in _DATA_OF_GRADIENT:
-            return [dist.P2POp(dist.isend, t.contiguous(), self.ranks[peer], self.group, tag) for t in tensors]
+            return [dist.P2POp(dist.isend, t.contiguous(), rank, self.group, tag) for t in tensors]
         meta = encode_meta(tensors)
-        key = (tag, peer, microbatch_index)
+        key = (tag, stage, peer, microbatch_index)
         ops = []
         if self.fresh:
             meta_tensor = torch.zeros(META_SIZE, dtype=torch.int64, device=self.device)
             meta_tensor[: len(meta)] = torch.tensor(meta, dtype=torch.int64)
-            ops.append(dist.P2POp(dist.isend, meta_tensor, self.ranks[peer], self.group, tag))
+            ops.append(dist.P2POp(dist.isend, meta_tensor, rank, self.group, tag))
         elif self._sent_meta.get(key) != meta:
             raise PipelineStepError(
-                f"stage {self.stage_index} sends microbatch {microbatch_index} to stage {peer} with meta {meta}, "
+                f"stage {stage} sends microbatch {microbatch_index} to stage {peer} with meta {meta}, "
                 f"not {self._sent_meta.get(key)} as in the previous step, although stage 0's inputs kept theirs; "
                 "what a stage sends must depend only on the shapes of the pipeline's inputs"
             )
         self._sent_meta[key] = meta
-        ops.extend(dist.P2POp(dist.isend, t.detach().contiguous(), self.ranks[peer], self.group, tag) for t in tensors)
+        ops.extend(dist.P2POp(dist.isend, t.detach().contiguous(), rank, self.group, tag) for t in tensors)
         return ops
 
-    def recv(self, tag: int, peer: int, microbatch_index: int) -> PendingRecv:
-        """Prepare to receive one message (waits for its meta on a fresh step)."""
+    def recv(self, tag: int, stage: int, peer: int, microbatch_index: int) -> PendingRecv:
+        """Prepare to receive one message for ``stage`` from stage ``peer`` (waits for its meta on a fresh step)."""
+        rank = self._peer[peer]
         if tag in _DATA_OF_GRADIENT:
             # gradients of what this stage sent: the shapes are known, only those requiring grad come
-            meta = decode_meta(self._sent_meta[(_DATA_OF_GRADIENT[tag], peer, microbatch_index)])
+            meta = decode_meta(self._sent_meta[(_DATA_OF_GRADIENT[tag], stage, peer, microbatch_index)])
             meta = [(dtype, False, shape) for dtype, requires_grad, shape in meta if requires_grad]
         else:
-            key = (tag, peer, microbatch_index)
+            key = (tag, stage, peer, microbatch_index)
             if self.fresh and key not in self._recv_meta:
                 meta_tensor = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
-                work = dist.irecv(meta_tensor, self.ranks[peer], group=self.group, tag=tag)
+                work = dist.irecv(meta_tensor, rank, group=self.group, tag=tag)
                 self.errors.wait(work, f"the meta of microbatch {microbatch_index} from stage {peer}")
                 self._recv_meta[key] = decode_meta(meta_tensor.tolist())
             meta = self._recv_meta[key]
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
-        ops = [dist.P2POp(dist.irecv, b, self.ranks[peer], self.group, tag) for b in buffers]
+        ops = [dist.P2POp(dist.irecv, b, rank, self.group, tag) for b in buffers]
         return PendingRecv(buffers, ops, [rg for _, rg, _ in meta])
 
-    def can_post(self, tag: int, peer: int, microbatch_index: int) -> bool:
+    def can_post(self, tag: int, stage: int, peer: int, microbatch_index: int) -> bool:
         """Whether a receive can be posted now, ahead of need (never on NCCL)."""
         if self.batched:
             return False
         if tag in _DATA_OF_GRADIENT:
-            return (_DATA_OF_GRADIENT[tag], peer, microbatch_index) in self._sent_meta
-        return not self.fresh and (tag, peer, microbatch_index) in self._recv_meta
+            return (_DATA_OF_GRADIENT[tag], stage, peer, microbatch_index) in self._sent_meta
+        return not self.fresh and (tag, stage, peer, microbatch_index) in self._recv_meta
 
     # -- issuing and waiting -------------------------------------------------------------------
     def issue(self, ops: list, pending: Sequence[PendingRecv] = ()) -> None:
