@@ -16,11 +16,11 @@ from torch import nn
 class _Counter:
     """Bytes of distinct tensors, each counted once by the bytes it spans (parameters excluded)."""
 
-    __slots__ = ("exclude", "seen", "total")
+    __slots__ = ("exclude", "spans", "total")
 
     def __init__(self, exclude: set) -> None:
         self.exclude = exclude
-        self.seen: set = set()
+        self.spans: Dict[tuple, int] = {}  # (storage, offset, numel) -> bytes
         self.total = 0
 
     def count(self, tensor) -> None:
@@ -32,10 +32,11 @@ class _Counter:
         if ptr == 0 or ptr in self.exclude:
             return
         key = (ptr, tensor.storage_offset(), tensor.numel())
-        if key in self.seen:
+        if key in self.spans:
             return
-        self.seen.add(key)
-        self.total += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.spans[key] = nbytes
+        self.total += nbytes
 
     def pack(self, tensor):
         self.count(tensor)
@@ -47,7 +48,8 @@ class ActivationMeter:
 
     Args:
         parameters: tensors whose storage is never counted (the stage's parameters).
-        parent: a meter that also counts these bytes (a rank's meter summing its stages').
+        parent: a meter that also counts these bytes (a rank's meter summing its stages'); it
+            counts bytes that two stages hold (a same-rank hand-off) once.
 
     Example:
         >>> layer = nn.Linear(4, 4)
@@ -62,7 +64,8 @@ class ActivationMeter:
 
     def __init__(self, parameters: Iterable[nn.Parameter] = (), parent: Optional["ActivationMeter"] = None) -> None:
         self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
-        self._bytes: Dict[Hashable, int] = {}
+        self._spans: Dict[Hashable, Dict[tuple, int]] = {}  # microbatch -> the spans it holds
+        self._holders: Dict[tuple, int] = {}  # span -> how many children's microbatches hold it
         self.parent = parent
         self.held_bytes = 0
         self.peak_bytes = 0
@@ -80,32 +83,56 @@ class ActivationMeter:
         class _Recorder(torch.autograd.graph.saved_tensors_hooks):
             def __exit__(self, *exc):
                 super().__exit__(*exc)
-                meter.add(key, counter.total)
+                meter._hold(key, counter.spans)
 
         return _Recorder(counter.pack, lambda tensor: tensor)
 
-    def add(self, key: Hashable, nbytes: int) -> None:
-        """Microbatch ``key`` holds ``nbytes`` more (e.g. activations recomputed for its backward)."""
-        self._bytes[key] = self._bytes.get(key, 0) + nbytes
-        self._change(nbytes)
-
-    def count(self, tensors: Iterable) -> int:
-        """The bytes ``tensors`` span, each counted once, parameters excluded (nothing is added)."""
+    def add(self, key: Hashable, tensors: Iterable) -> None:
+        """Microbatch ``key`` also holds ``tensors`` (e.g. activations recomputed for its backward)."""
         counter = _Counter(self._parameter_storages)
         for tensor in tensors:
             counter.count(tensor)
-        return counter.total
+        self._hold(key, counter.spans)
 
     def release(self, key: Hashable) -> None:
         """The backward of microbatch ``key`` ran: its activations are freed."""
-        self._change(-self._bytes.pop(key, 0))
+        spans = self._spans.pop(key, {})
+        self._change(-sum(spans.values()))
+        if self.parent is not None:
+            self.parent._drop(spans)
+
+    def _hold(self, key: Hashable, spans: Dict[tuple, int]) -> None:
+        held = self._spans.setdefault(key, {})
+        new = {span: nbytes for span, nbytes in spans.items() if span not in held}
+        held.update(new)
+        self._change(sum(new.values()))
+        if self.parent is not None:
+            self.parent._take(new)
+
+    def _take(self, spans: Dict[tuple, int]) -> None:
+        """A child holds ``spans``: count those no other child holds."""
+        added = 0
+        for span, nbytes in spans.items():
+            count = self._holders.get(span, 0)
+            self._holders[span] = count + 1
+            if count == 0:
+                added += nbytes
+        self._change(added)
+
+    def _drop(self, spans: Dict[tuple, int]) -> None:
+        removed = 0
+        for span, nbytes in spans.items():
+            count = self._holders.pop(span) - 1
+            if count:
+                self._holders[span] = count
+            else:
+                removed += nbytes
+        self._change(-removed)
 
     def _change(self, nbytes: int) -> None:
         self.held_bytes += nbytes
         if self.held_bytes > self.peak_bytes:
             self.peak_bytes = self.held_bytes
-        if self.parent is not None:
-            self.parent._change(nbytes)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.held_bytes

@@ -119,7 +119,7 @@ class Stage:
             if use_checkpoint and self.split_backward:
                 recomputation = Recomputation(
                     lambda *args: self._run(tracker, *args), restore_rng,
-                    lambda tensors: self.meter.add(i, self.meter.count(tensors)),
+                    lambda tensors: self.meter.add(i, tensors),
                 )
                 outputs = recomputation.run(*inputs)
             elif use_checkpoint:
@@ -212,6 +212,8 @@ class Stage:
     def backward_weight(self, microbatch_index: int) -> None:
         """The second part of a split backward (``W``): accumulate the weight gradients; free the microbatch."""
         weights, pending = self._weights.pop(microbatch_index)
+        if pending.recomputation is not None:
+            pending.recomputation.on_recompute = None  # recomputed now, freed at once: not held, not counted
         weights.run()
         if pending.recomputation is not None:
             pending.recomputation.release()
