@@ -41,10 +41,11 @@ class GPipe(Pipeline):
         broadcast_outputs: bool = True,
         timeout: timedelta = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
+        dp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         super().__init__(
             module, chunks, process_group, batch_dim, checkpoint, "gpipe", broadcast_outputs, timeout,
-            deferred_batch_norm=deferred_batch_norm,
+            deferred_batch_norm=deferred_batch_norm, dp_group=dp_group,
         )
 
 
@@ -60,10 +61,11 @@ class PipeDream(Pipeline):
         checkpoint: Union[str, bool] = False,
         timeout: timedelta = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
+        dp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         super().__init__(
             module, chunks, process_group, batch_dim, checkpoint, "1f1b", False, timeout,
-            deferred_batch_norm=deferred_batch_norm,
+            deferred_batch_norm=deferred_batch_norm, dp_group=dp_group,
         )
 
 

@@ -106,6 +106,7 @@ class ReplicaSync:
         self._plan: Optional[_Plan] = None
         self._armed: set = set()
         self._next = 0
+        self.started_early = 0  # buckets of the last step started while its backward ran
         self._handles = [p.register_post_accumulate_grad_hook(self._on_final)
                          for p in dict.fromkeys(p for params in self.params_of.values() for p in params)]
 
@@ -124,6 +125,7 @@ class ReplicaSync:
             bucket.final = 0
         self._armed = set()
         self._next = 0
+        self.started_early = 0
         return {position: (lambda s=s: self._armed.update(plan.owned[s])) for position, s in plan.arm_at.items()}
 
     def _make_plan(self, row: Sequence) -> _Plan:
@@ -169,6 +171,7 @@ class ReplicaSync:
         while self._next < len(buckets) and buckets[self._next].final == len(buckets[self._next].params):
             buckets[self._next].launch(self.group)
             self._next += 1
+            self.started_early += 1
 
     def finish(self) -> None:
         """Start what is left, wait for everything, and put the averages in ``.grad``."""

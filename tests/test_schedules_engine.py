@@ -206,3 +206,40 @@ def test_bad_combinations_are_named_on_every_rank_before_any_communication():
     assert "runs 1 stage per rank, but this rank was given 2 modules" in h1[1]
     assert "runs 3 stages per rank, but this rank was given 2 modules" in mismatch[1]
     assert "schedule must be one of" in unknown[1]
+
+
+# -- tracing: the recorder sees every action, I and W included -----------------------------------
+def _traced(rank: int, world: int, out: str) -> dict:
+    import os
+
+    from lightning_pipe.schedule import make_table
+
+    seen = {}
+    for schedule, v in NEW[1:]:
+        spec = ALL_SCHEDULES[schedule]
+        parts = partition(mlp(num_layers=6), rank, world, num_model_chunks=spec.virtual_stages(v),
+                          placement=spec.placement)
+        pipe = Pipeline(parts, chunks=4, schedule=schedule, virtual_stages=v)
+        recorder = pipe.trace_steps()
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+        for _ in range(2):
+            pipe.forward_backward(x, criterion=nn.functional.mse_loss, labels=(y,))
+        plan = [str(a) for a in make_table(schedule, world, 4, v)[rank]]
+        row = pipe._row(schedule, 4)
+        receives = sum(1 for a in row if a.is_recv)
+        for record in recorder.records:
+            assert [str(a) for a, _, _ in record.compute] == plan, (schedule, rank, record.step)
+            assert len(record.waits) == receives, (schedule, rank, len(record.waits), receives)
+        path = pipe.export_trace(os.path.join(out, f"{schedule}.json"))
+        png = pipe.save_timeline_png(os.path.join(out, f"{schedule}.png"))
+        seen[schedule] = (sorted({a.kind for a, _, _ in recorder.records[0].compute}), path, png)
+    return seen
+
+
+def test_the_recorder_sees_input_and_weight_gradient_actions(tmp_path):
+    per_rank = distributed.run(_traced, 2, str(tmp_path), timeout=120)
+    assert per_rank[0]["zb_h1"][0] == per_rank[0]["zbv"][0] == ["F", "I", "W"]
+    assert per_rank[1]["interleaved_1f1b"][0] == ["B", "F"]
+    for schedule, (_, path, png) in per_rank[0].items():
+        assert path.endswith(f"{schedule}.json") and png.endswith(f"{schedule}.png")
+        assert (tmp_path / f"{schedule}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
