@@ -26,7 +26,7 @@ class _Counter:
     def count(self, tensor) -> None:
         # Count the bytes a tensor spans, not its whole storage: microbatches are views of one
         # batch. Views of the same bytes (a transpose, a reshape) are counted once.
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return
         ptr = tensor.untyped_storage().data_ptr()
         if ptr == 0 or ptr in self.exclude:
@@ -70,7 +70,7 @@ class ActivationMeter:
         self.held_bytes = 0
         self.peak_bytes = 0
 
-    def record(self, key: Hashable, inputs: Iterable):
+    def record(self, key: Hashable, inputs: Iterable) -> "_Recording":
         """Context manager counting what the forward of microbatch ``key`` saves.
 
         ``inputs`` are the stage inputs the stage itself keeps alive (they count too, once).
@@ -78,14 +78,7 @@ class ActivationMeter:
         counter = _Counter(self._parameter_storages)
         for tensor in inputs:
             counter.count(tensor)
-        meter = self
-
-        class _Recorder(torch.autograd.graph.saved_tensors_hooks):
-            def __exit__(self, *exc):
-                super().__exit__(*exc)
-                meter._hold(key, counter.spans)
-
-        return _Recorder(counter.pack, lambda tensor: tensor)
+        return _Recording(self, key, counter)
 
     def add(self, key: Hashable, tensors: Iterable) -> None:
         """Microbatch ``key`` also holds ``tensors`` (e.g. activations recomputed for its backward)."""
@@ -102,9 +95,12 @@ class ActivationMeter:
             self.parent._drop(spans)
 
     def _hold(self, key: Hashable, spans: Dict[tuple, int]) -> None:
-        held = self._spans.setdefault(key, {})
-        new = {span: nbytes for span, nbytes in spans.items() if span not in held}
-        held.update(new)
+        held = self._spans.get(key)
+        if held is None:
+            held = self._spans[key] = new = spans
+        else:
+            new = {span: nbytes for span, nbytes in spans.items() if span not in held}
+            held.update(new)
         self._change(sum(new.values()))
         if self.parent is not None:
             self.parent._take(new)
@@ -136,3 +132,19 @@ class ActivationMeter:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.held_bytes
+
+
+def _identity(tensor):
+    return tensor
+
+
+class _Recording(torch.autograd.graph.saved_tensors_hooks):
+    """The hooks of one :meth:`ActivationMeter.record`: count while the forward saves tensors."""
+
+    def __init__(self, meter: ActivationMeter, key: Hashable, counter: _Counter) -> None:
+        super().__init__(counter.pack, _identity)
+        self.meter, self.key, self.counter = meter, key, counter
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.meter._hold(self.key, self.counter.spans)
