@@ -25,7 +25,7 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel
 from lightning_pipe.memory import ActivationMeter
-from lightning_pipe.microbatch import batch_size_of, gather, microbatch_sizes, scatter
+from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, scatter
 from lightning_pipe.partition import TIES_ATTRIBUTE
 from lightning_pipe.replicas import ReplicaSync
 from lightning_pipe.schedule import ALL_SCHEDULES, forward_only, make_table, validate
@@ -38,12 +38,15 @@ from lightning_pipe.transport import Transport
 _instances = itertools.count()
 
 
-def _meta_signature(microbatches) -> tuple:
-    signature = []
-    for mb in microbatches:
-        leaves, spec = tree_flatten(mb)
-        signature.append((str(spec), tuple((l.dtype, tuple(l.shape), l.requires_grad) if isinstance(l, torch.Tensor) else type(l) for l in leaves)))
-    return tuple(signature)
+def _input_signature(inputs: tuple, chunks: int, batch_dim: int) -> tuple:
+    """What the microbatches' structure, shapes and dtypes follow from (``scatter`` is deterministic)."""
+    leaves, spec = tree_flatten(inputs, is_leaf=lambda x: isinstance(x, NoChunk))
+    metas = []
+    for leaf in leaves:
+        tensor = leaf.tensor if isinstance(leaf, NoChunk) else leaf
+        metas.append((type(leaf), tensor.dtype, tuple(tensor.shape), tensor.requires_grad)
+                     if isinstance(tensor, torch.Tensor) else type(leaf))
+    return spec, tuple(metas), chunks, batch_dim
 
 
 def _device_of(modules: Sequence[nn.Module], group) -> torch.device:
@@ -242,7 +245,7 @@ class Pipeline(Tracing):
         header = None
         if self.pp_rank == 0:
             microbatches = scatter(tuple(inputs), self.chunks, self.batch_dim)
-            signature = (torch.is_grad_enabled(), _meta_signature(microbatches))
+            signature = (torch.is_grad_enabled(), _input_signature(tuple(inputs), self.chunks, self.batch_dim))
             fresh = signature != self._signature or self.variable_messages
             self._signature = signature
             sizes = microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks)

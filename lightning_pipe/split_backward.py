@@ -38,15 +38,34 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-_ACCUMULATE = "AccumulateGrad"
+# Private API, what torch.autograd.backward and torch.autograd.grad end in; calling it directly
+# skips their argument checks (symbolic shape comparisons, ~15 µs a call), a large share of an
+# overhead-bound pipeline's backward. The gradients given here have their roots' shapes by
+# construction.
+_ENGINE = torch.autograd.Variable._execution_engine
 
 
-def _edge(tensor: torch.Tensor) -> GradientEdge:
-    return get_gradient_edge(tensor)
+def run_backward(roots: Sequence, grads: Sequence[torch.Tensor], keep_graph: bool = False, inputs: Sequence = (),
+                 accumulate: bool = True) -> tuple:
+    """``torch.autograd.backward`` (``accumulate``) or ``torch.autograd.grad`` (not), unchecked.
+
+    ``roots`` are tensors or ``GradientEdge`` s; with ``accumulate=False`` the gradients of
+    ``inputs`` are returned (None where unreachable).
+    """
+    return _ENGINE.run_backward(tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
 
 
-def _walk(roots: Sequence) -> Tuple[List, Dict]:
-    """Every node reachable from ``roots`` and, per node, the nodes with an edge to it."""
+def _accumulate_grad_type() -> type:
+    leaf = torch.zeros((), requires_grad=True)
+    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])
+
+
+_ACCUMULATE = _accumulate_grad_type()  # the node class that accumulates into a leaf's .grad
+
+
+def _walk(roots: Sequence, input_ids: set) -> Tuple[List, Dict, List]:
+    """Every node reachable from ``roots``, per node the nodes with an edge to it, and the nodes
+    that accumulate into one of the inputs (``input_ids``: their ``id``)."""
     parents: Dict = {}
     stack = []
     for node in roots:
@@ -54,6 +73,7 @@ def _walk(roots: Sequence) -> Tuple[List, Dict]:
             parents[node] = []
             stack.append(node)
     nodes = list(stack)
+    input_nodes = []
     while stack:
         node = stack.pop()
         for child, _ in node.next_functions:
@@ -64,14 +84,19 @@ def _walk(roots: Sequence) -> Tuple[List, Dict]:
                 parents[child] = [node]
                 stack.append(child)
                 nodes.append(child)
+                if type(child) is _ACCUMULATE and id(child.variable) in input_ids:
+                    input_nodes.append(child)
             else:
                 known.append(node)
-    return nodes, parents
+    for node in roots:
+        if type(node) is _ACCUMULATE and id(node.variable) in input_ids:
+            input_nodes.append(node)
+    return nodes, parents, input_nodes
 
 
 def _input_part(input_nodes: Sequence, parents: Dict) -> set:
     """The nodes with a path to an input node (the input nodes included)."""
-    part = {node for node in input_nodes if node in parents}
+    part = set(input_nodes)
     stack = list(part)
     while stack:
         for parent in parents[stack.pop()]:
@@ -81,59 +106,41 @@ def _input_part(input_nodes: Sequence, parents: Dict) -> set:
     return part
 
 
-class _Components:
-    """Union-find over nodes."""
-
-    def __init__(self) -> None:
-        self.up: Dict = {}
-
-    def find(self, node):
-        up = self.up
-        root = node
-        while up.setdefault(root, root) is not root:
-            root = up[root]
-        while up[node] is not root:
-            up[node], node = root, up[node]
-        return root
-
-    def union(self, a, b) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra is not rb:
-            self.up[ra] = rb
-
-
 class WeightGradients:
     """The ``W`` half of one microbatch's backward on one stage, ready to run.
 
     Attributes:
-        groups: per component, ``(edges, gradients, boundary nodes, leaves)``.
+        groups: per component, ``(edges, gradients, pins, leaves)``; ``pins`` maps each boundary
+            node of a component with several to the gradients ``I`` saw per input slot.
     """
 
     def __init__(self) -> None:
-        self.groups: List[Tuple[list, list, list, list]] = []
-        self.saved: Dict = {}  # boundary node -> the gradients it received during I
+        self.groups: List[Tuple[list, list, dict, list]] = []
 
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad`` (each component once)."""
-        for edges, grads, boundary, leaves in self.groups:
-            handles = []
-            if len(boundary) > 1:  # pin each boundary node to what I saw (see the module docstring)
-                for node in boundary:
-                    handles.append(node.register_prehook(lambda _, saved=self.saved[node]: saved))
+        for edges, grads, pins, leaves in self.groups:
+            handles = [node.register_prehook(_pinned(saved)) for node, saved in pins.items()] if len(pins) > 1 else []
             try:
-                torch.autograd.backward(edges, grads, retain_graph=True, inputs=leaves)
+                run_backward(edges, grads, keep_graph=True, inputs=leaves)
             finally:
                 for handle in handles:
                     handle.remove()
         self.groups = []
-        self.saved = {}
 
 
-def _capture(saved: Dict, node):
+def _pinned(saved: Dict[int, torch.Tensor]):
     def hook(grad_outputs):
-        saved[node] = grad_outputs
+        return tuple(saved.get(k, g) for k, g in enumerate(grad_outputs))
 
     return hook
+
+
+def _slots(node, parents: Dict, root_edges: Sequence[GradientEdge]) -> List[int]:
+    """The input slots of ``node`` that gradients flow into (from its parents and from roots)."""
+    slots = {k for parent in parents[node] for child, k in parent.next_functions if child is node}
+    slots.update(e.output_nr for e in root_edges if e.node is node)
+    return sorted(slots)
 
 
 def backward_input(
@@ -156,66 +163,73 @@ def backward_input(
         [4.0, 4.0, 4.0]
     """
     grads = [g if g is not None else torch.ones_like(r) for r, g in zip(roots, grads)]
-    root_edges = [_edge(r) for r in roots]
-    nodes, parents = _walk([e.node for e in root_edges])
-    input_nodes = [_edge(x).node for x in inputs]
+    root_edges = [get_gradient_edge(r) for r in roots]
+    nodes, parents, input_nodes = _walk([e.node for e in root_edges], {id(x) for x in inputs})
     part = _input_part(input_nodes, parents)
+    boundary = [node for node in nodes if node in part and any(c is not None and c not in part for c, _ in node.next_functions)]
+    # the gradient entering each boundary slot, captured by the same pass as the inputs' gradients
+    captured = [GradientEdge(node, k) for node in boundary for k in _slots(node, parents, root_edges)]
+    used = [(e, g) for e, g in zip(root_edges, grads) if e.node in part]
+    if used and inputs:
+        results = run_backward([e for e, _ in used], [g for _, g in used], keep_graph=True,
+                               inputs=list(inputs) + captured, accumulate=False)
+    else:
+        results = (None,) * (len(inputs) + len(captured))
     weights = WeightGradients()
-    components = _Components()
-    boundary = []
-    for node in nodes:
-        if node in part:
-            continue
-        components.find(node)
-        for parent in parents[node]:
-            if parent in part:
-                if parent not in components.up:
-                    boundary.append(parent)
-                components.union(node, parent)
-            else:
-                components.union(node, parent)
-    handles = [node.register_prehook(_capture(weights.saved, node)) for node in boundary]
-    try:
-        used = [(r, g) for r, e, g in zip(roots, root_edges, grads) if e.node in part]
-        if used and inputs:
-            input_grads = torch.autograd.grad([r for r, _ in used], list(inputs), [g for _, g in used],
-                                              retain_graph=True, allow_unused=True)
-        else:
-            input_grads = (None,) * len(inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    _group(weights, components, nodes, part, boundary, zip(root_edges, grads))
-    return tuple(input_grads), weights
+    weight_roots = [(e, g) for e, g in zip(root_edges, grads) if e.node not in part]
+    weights.groups = _components(nodes, part, boundary, captured, results[len(inputs):], weight_roots)
+    return tuple(results[: len(inputs)]), weights
 
 
-def _group(weights: WeightGradients, components: _Components, nodes: list, part: set, boundary: list,
-           roots) -> None:
-    """Fill ``weights.groups``: per component its starting edges and gradients, and its leaves."""
-    groups: Dict = {}
+def _components(nodes: list, part: set, boundary: list, captured: list, captured_grads, roots: list) -> list:
+    """Group the weight part into connected components, each with where ``W`` starts and its leaves."""
+    label: Dict = {}  # weight-part node (or boundary node) -> component number
+    merged: List[int] = []  # union-find over component numbers
+
+    def find(k: int) -> int:
+        while merged[k] != k:
+            merged[k] = merged[merged[k]]
+            k = merged[k]
+        return k
+
+    def explore(start, k: int) -> None:
+        stack = [start]
+        while stack:
+            for child, _ in stack.pop().next_functions:
+                if child is None or child in part:
+                    continue
+                known = label.get(child)
+                if known is None:
+                    label[child] = k
+                    stack.append(child)
+                elif find(known) != find(k):
+                    merged[find(known)] = find(k)
+
+    starts = list(boundary) + [edge.node for edge, _ in roots]
+    for node in starts:
+        if node not in label:
+            label[node] = len(merged)
+            merged.append(len(merged))
+        explore(node, label[node])
+    groups: Dict[int, tuple] = {}
 
     def group(node) -> tuple:
-        key = components.find(node)
-        if key not in groups:
-            groups[key] = ([], [], [], [])
-        return groups[key]
+        k = find(label[node])
+        if k not in groups:
+            groups[k] = ([], [], {}, [])
+        return groups[k]
 
-    for node in boundary:
-        saved = weights.saved.get(node)
-        if saved is None:
-            continue
-        edges, grads, pinned, _ = group(node)
-        pinned.append(node)
-        for k, grad in enumerate(saved):
-            if grad is not None:
-                edges.append(GradientEdge(node, k))
-                grads.append(grad)
-    for edge, grad in roots:
-        if edge.node not in part:
-            edges, grads, _, _ = group(edge.node)
+    for edge, grad in zip(captured, captured_grads):
+        if grad is not None:
+            edges, grads, pins, _ = group(edge.node)
             edges.append(edge)
             grads.append(grad)
+            pins.setdefault(edge.node, {})[edge.output_nr] = grad
+    for edge, grad in roots:
+        edges, grads, _, _ = group(edge.node)
+        edges.append(edge)
+        grads.append(grad)
     for node in nodes:
-        if node not in part and type(node).__name__ == _ACCUMULATE:
+        if type(node) is _ACCUMULATE and node in label:
             group(node)[3].append(node.variable)
-    weights.groups = [g for g in groups.values() if g[0] and g[3]]
+    return [g for g in groups.values() if g[0] and g[3]]

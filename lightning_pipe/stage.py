@@ -20,8 +20,9 @@ from lightning_pipe import rng
 from lightning_pipe.checkpoint import Recomputation, checkpointed, should_checkpoint
 from lightning_pipe.errors import PipelineStepError
 from lightning_pipe.memory import ActivationMeter
+from lightning_pipe.skip.skippable import Skippable
 from lightning_pipe.skip.tracker import Key, SkipTracker, use_tracker
-from lightning_pipe.split_backward import WeightGradients, backward_input
+from lightning_pipe.split_backward import WeightGradients, backward_input, run_backward
 
 
 def as_tuple(value) -> tuple:
@@ -70,6 +71,7 @@ class Stage:
         self.step_seed: Optional[int] = None
         self.microbatch_index = 0  # of the forward running or last run
         self.meter = ActivationMeter(module.parameters(), meter_parent)
+        self._skippable = any(isinstance(m, Skippable) for m in module.modules())
         self._pending: Dict[int, _Pending] = {}
         self._weights: Dict[int, Tuple[WeightGradients, _Pending]] = {}  # after I, until W
 
@@ -90,6 +92,8 @@ class Stage:
         return self.module(*inputs)
 
     def _run(self, tracker: SkipTracker, *inputs):
+        if not self._skippable:  # nothing in this stage stashes or pops: no tracker to bind
+            return self._call(*inputs)
         with use_tracker(tracker):
             return self._call(*inputs)
 
@@ -228,16 +232,8 @@ class Stage:
 
 
 def _backward(tensors: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> None:
-    """``torch.autograd.backward(tensors, grads)`` where the gradients come from the pipeline.
-
-    The gradients have their tensors' shapes by construction (a received gradient has the shape
-    of what was sent, a missing one is the loss's ``1``), so this calls autograd's engine
-    directly, skipping ``torch.autograd.backward``'s argument checks, which cost ~15 µs a call
-    (symbolic shape comparisons): a large share of an overhead-bound pipeline's backward.
-    """
-    grads = [torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads)]
-    # Private API, stable since torch 1.x and what torch.autograd.backward itself ends in.
-    torch.autograd.Variable._execution_engine.run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
+    """``torch.autograd.backward(tensors, grads)`` without its checks (see :func:`run_backward`)."""
+    run_backward(tensors, [torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads)])
 
 
 def _grad_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.arrivals import Arrival, Arrivals
 from lightning_pipe.errors import PipelineStepError
 from lightning_pipe.faults import ErrorChannel
 
@@ -91,13 +92,14 @@ class _Works:
 class PendingRecv:
     """Buffers being received for one message, and the works that fill them."""
 
-    __slots__ = ("buffers", "ops", "works", "requires_grad")
+    __slots__ = ("buffers", "ops", "works", "requires_grad", "arrival")
 
     def __init__(self, buffers: List[torch.Tensor], ops: list, requires_grad: List[bool]) -> None:
         self.buffers = buffers
         self.ops = ops
         self.works: list = []
         self.requires_grad = requires_grad
+        self.arrival: Optional[Arrival] = None  # gloo: waited for by the link's helper thread
 
 
 # Message tags: one FIFO stream per kind of message and direction on each link. gloo matches a
@@ -133,6 +135,7 @@ class Transport:
         self.device = device
         self.errors = errors
         self.batched = dist.get_backend(group) == "nccl"
+        self.arrivals = None if self.batched else Arrivals(errors)
         self.fresh = True  # whether this step's data messages carry their meta
         self._recv_meta: Dict[tuple, List] = {}
         self._sent_meta: Dict[tuple, Tuple[int, ...]] = {}
@@ -223,6 +226,8 @@ class Transport:
             by_tensor = {id(op.tensor): w for op, w in zip(ops, works)}
             for recv in pending:
                 recv.works = [by_tensor[id(b)] for b in recv.buffers]
+                if self.arrivals is not None and recv.works:
+                    recv.arrival = self.arrivals.watch((recv.ops[0].peer, recv.ops[0].tag), recv.works)
         for op, work in zip(ops, works):
             if op.is_send:
                 # kept until the step ends: a gloo Work only learns it completed inside wait()
@@ -230,9 +235,10 @@ class Transport:
 
     def take(self, recv: PendingRecv, what: str) -> tuple:
         """Wait for a receive and return its tensors (floating ones requiring grad as sent)."""
-        works = recv.works
-        if works:
-            self.errors.wait(works[0] if len(works) == 1 else _Works(works), what)
+        if recv.arrival is not None:
+            self.arrivals.take(recv.arrival, what)
+        elif recv.works:
+            self.errors.wait(recv.works[0] if len(recv.works) == 1 else _Works(recv.works), what)
         return tuple(b.requires_grad_(True) if rg else b for b, rg in zip(recv.buffers, recv.requires_grad))
 
     def finish(self) -> None:
