@@ -149,10 +149,25 @@ class Pipeline(Tracing):
         self.spec = ALL_SCHEDULES[schedule]
         self.broadcast_outputs = broadcast_outputs
         self.group = process_group if process_group is not None else dist.group.WORLD
+        self._place()
+        self.skip_layout = self._skip_layout(modules)
+        device = device if device is not None else _device_of(modules, self.group)
+        self._build_stages(modules, checkpoint, device, dp_group)
+        self._setup_communication(timeout, device)
+        self._rows: Dict[Tuple[str, int], tuple] = {}
+        self._signature = None
+        self.step_seed: Optional[int] = None
+        self._step = 0
+        self.last_step: Optional[StepResult] = None
+        self.last_sizes: List[int] = []
+        self._row(self.schedule, chunks)  # a table that cannot run fails here, on every rank
+
+    def _place(self) -> None:
+        """Which stages this rank runs, under the schedule's placement."""
         if self.virtual_stages > 1 and dist.get_backend(self.group) == "nccl":
             raise ConfigurationError(
-                f"schedule {schedule!r} runs {self.virtual_stages} stages per rank, which the NCCL transport does not "
-                "support yet (its grouped sends and receives could wait on each other across two stages); "
+                f"schedule {self.schedule!r} runs {self.virtual_stages} stages per rank, which the NCCL transport does "
+                "not support yet (its grouped sends and receives could wait on each other across two stages); "
                 "use a gloo process group, or one stage per rank: 'gpipe', '1f1b' or 'zb_h1'"
             )
         self.ranks = dist.get_process_group_ranks(self.group)
@@ -162,28 +177,20 @@ class Pipeline(Tracing):
         self.stage_indices = tuple(s for s, r in enumerate(self.stage_ranks) if r == self.pp_rank)
         self.holds_first = 0 in self.stage_indices
         self.holds_last = len(self.stage_ranks) - 1 in self.stage_indices
-        self.skip_layout = self._skip_layout(modules)
-        device = device if device is not None else _device_of(modules, self.group)
+
+    def _build_stages(self, modules: List[nn.Module], checkpoint: str, device: torch.device,
+                      dp_group: Optional[dist.ProcessGroup]) -> None:
         self.meter = ActivationMeter()  # this rank's activation bytes, all its stages together
         self.stages = [
             Stage(m, s, len(self.stage_ranks), checkpoint, device, self.spec.split_backward, self.meter)
             for m, s in zip(modules, self.stage_indices)
         ]
-        ties = getattr(modules[0], TIES_ATTRIBUTE, ())
-        self.ties = TiedGradients(ties, modules, self.pp_rank, self.group)
-        self._setup_communication(timeout, device)
+        self.ties = TiedGradients(getattr(modules[0], TIES_ATTRIBUTE, ()), modules, self.pp_rank, self.group)
         self.dp_group = dp_group
         self.replicas = None
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             self.replicas = ReplicaSync([(s.stage_index, list(s.module.parameters())) for s in self.stages],
                                         dp_group, exclude=self.ties.parameters())
-        self._rows: Dict[Tuple[str, int], tuple] = {}
-        self._signature = None
-        self.step_seed: Optional[int] = None
-        self._step = 0
-        self.last_step: Optional[StepResult] = None
-        self.last_sizes: List[int] = []
-        self._row(self.schedule, chunks)  # a table that cannot run fails here, on every rank
 
     def _setup_communication(self, timeout: timedelta, device: torch.device) -> None:
         # Private API: the default store is the one place every rank already shares without a new
