@@ -24,7 +24,8 @@ from lightning_pipe.partition import (
     balance_by_time,
     partition,
 )
-from lightning_pipe.pipeline import GPipe, PipeDream, Pipeline
+from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipelines import GPipe, Interleaved1F1B, PipeDream, ZeroBubbleH1, ZeroBubbleV
 from lightning_pipe.sharded import (
     CheckpointError,
     CheckpointMismatchError,
@@ -45,6 +46,7 @@ __all__ = [
     "ConfigurationError",
     "DeferredBatchNorm",
     "GPipe",
+    "Interleaved1F1B",
     "MaterializationError",
     "MissingShardError",
     "NoChunk",
@@ -59,6 +61,8 @@ __all__ = [
     "ScheduleError",
     "SequentialModel",
     "SideEffectError",
+    "ZeroBubbleH1",
+    "ZeroBubbleV",
     "balance_by_cost",
     "balance_by_flops",
     "balance_by_layers",

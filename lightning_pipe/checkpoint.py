@@ -5,14 +5,21 @@ runs first under GPipe, so storing it costs nothing extra), ``"never"`` none. Bu
 ``torch.utils.checkpoint`` in its non-reentrant form, which supports inputs without gradients,
 keyword-free tuples and nested autograd. :func:`is_checkpointing` and :func:`is_recomputing` let a
 module tell the first forward from its recomputation (e.g. to skip side effects twice).
+
+A backward split in two (input gradients ``I`` now, weight gradients ``W`` later) runs two
+autograd passes over one graph. torch's checkpoint recomputes once per pass (its recomputed
+tensors are kept per graph task), so :class:`Recomputation` does it differently: the saved
+tensors of one checkpointed forward are recomputed once, at the first unpack, and kept until the
+stage releases them after ``W``.
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, List, Optional, Union
 
+import torch
 import torch.utils.checkpoint
 
 from lightning_pipe.errors import ConfigurationError
@@ -77,3 +84,98 @@ def checkpointed(function: Callable, *inputs):
             return function(*args)
 
     return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
+
+
+class Recomputation:
+    """One checkpointed forward whose saved tensors are recomputed once and kept until released.
+
+    Args:
+        function: the forward to run (``function(*inputs)``).
+        restore_rng: puts the random generators in the state the forward started from (the
+            stage's per-microbatch seed); it runs inside ``torch.random.fork_rng``.
+        on_recompute: called with the recomputed tensors (the stage counts their bytes).
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 3)
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> recomputation = Recomputation(lambda t: layer(t).tanh(), lambda: None)
+        >>> y = recomputation.run(x)
+        >>> (gx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)  # recomputes
+        >>> gw = torch.autograd.grad(y.sum(), layer.weight)  # reuses what it recomputed
+        >>> recomputation.recomputed, recomputation.release()
+        (1, None)
+    """
+
+    def __init__(self, function: Callable, restore_rng: Callable[[], None],
+                 on_recompute: Optional[Callable[[List[torch.Tensor]], None]] = None) -> None:
+        self.function = function
+        self.restore_rng = restore_rng
+        self.on_recompute = on_recompute
+        self.recomputed = 0  # how many times the forward was recomputed (at most once)
+        self._inputs: tuple = ()
+        self._count = 0  # tensors saved by the first forward
+        self._tensors: Optional[List[torch.Tensor]] = None
+        self._autocast: list = []
+
+    def run(self, *inputs):
+        """Run the forward, keeping only ``inputs`` (and handles) for the backward."""
+        self._inputs = inputs
+        self._autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                          if torch.is_autocast_enabled(device)]
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), _phase("checkpointing"):
+            return self.function(*inputs)
+
+    def _pack(self, tensor: torch.Tensor) -> int:
+        self._count += 1
+        return self._count - 1
+
+    def _unpack(self, index: int) -> torch.Tensor:
+        if self._tensors is None:
+            self._recompute()
+        return self._tensors[index]
+
+    def _recompute(self) -> None:
+        saved: List[torch.Tensor] = []
+
+        def keep(tensor: torch.Tensor) -> int:
+            saved.append(tensor.detach())  # detached: holding outputs must not keep their graph alive
+            return 0
+
+        inputs = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                       for x in self._inputs)
+        with torch.random.fork_rng(devices=_cuda_devices()), torch.enable_grad(), _autocast(self._autocast):
+            self.restore_rng()
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None), _phase("recomputing"):
+                self.function(*inputs)
+        if len(saved) != self._count:
+            raise RuntimeError(
+                f"the recomputed forward saved {len(saved)} tensors for backward, the first forward "
+                f"{self._count}: a checkpointed forward must do the same work when it runs again "
+                "(use lightning_pipe.is_recomputing() to tell the passes apart)"
+            )
+        self._tensors = saved
+        self.recomputed += 1
+        if self.on_recompute is not None:
+            self.on_recompute(saved)
+
+    def release(self) -> None:
+        """Drop what was kept (after the weight gradients)."""
+        self._tensors = None
+        self._inputs = ()
+
+
+def _cuda_devices() -> list:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+
+
+@contextmanager
+def _autocast(states: list) -> Iterator[None]:
+    if not states:
+        yield
+        return
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        for device, dtype in states:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield

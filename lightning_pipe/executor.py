@@ -1,9 +1,15 @@
 """Runs one rank's lowered schedule row: one small handler per action kind.
 
-The executor follows the row and nothing else. Communication actions that follow one another are
-issued together; receives are posted ahead of need when the transport allows it (``lookahead``
-per direction), so data is in flight while the stage computes. A failing action is reported to
-every rank and re-raised as ``[pp_rank 1 | step 7 | 1B3] ...``.
+The executor follows the row and nothing else. A rank may hold several stages (interleaved and
+V placements); every compute action names its stage, and the handler runs that stage. Messages
+between two stages on this rank are not in the row (see :mod:`lightning_pipe.schedule.lower`):
+the producer leaves its outputs (or input gradients) here, detached as a received tensor would
+be, so each stage's backward stays its own, and the consumer takes them. Communication actions
+that follow one another are issued together; receives are posted ahead of need when the
+transport allows it (``lookahead`` per kind of message and peer rank, in the order the row
+receives them, which is the order each link carries them), so data is in flight while the
+stage computes. A failing action is reported to every rank and re-raised as
+``[pp_rank 1 | step 7 | 1B3] ...``.
 
 When a :class:`~lightning_pipe.trace.Recorder` is set on ``recorder``, the spans of the step's
 compute actions, receive waits and issued communication are kept for a timeline; when none is set
@@ -15,7 +21,7 @@ no profiler).
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.autograd import _profiler_enabled  # the C++ profiler's state: ~0.2 µs to ask
@@ -23,7 +29,8 @@ from torch.autograd.profiler import record_function
 
 from lightning_pipe.errors import PipelineAbortedError, PipelineStepError
 from lightning_pipe.schedule.action import (
-    RECV_B, RECV_F, RECV_SKIP, RECV_SKIP_GRAD, SEND_B, SEND_F, SEND_SKIP, SEND_SKIP_GRAD, Action, B, F,
+    RECV_B, RECV_F, RECV_KINDS, RECV_SKIP, RECV_SKIP_GRAD, SEND_B, SEND_F, SEND_KINDS, SEND_SKIP, SEND_SKIP_GRAD,
+    Action, B, F, I, W,
 )
 from lightning_pipe.skip.layout import SkipLayout
 from lightning_pipe.stage import Stage
@@ -49,29 +56,58 @@ _TAG = {
     SEND_SKIP: SKIPS, RECV_SKIP: SKIPS, SEND_SKIP_GRAD: SKIP_GRADIENTS, RECV_SKIP_GRAD: SKIP_GRADIENTS,
 }
 _WHAT = {RECV_F: "activations", RECV_B: "gradients", RECV_SKIP: "skip tensors", RECV_SKIP_GRAD: "skip gradients"}
+_SENDS = frozenset(SEND_KINDS)
+_RECVS = frozenset(RECV_KINDS)
+
+
+class _Routes(NamedTuple):
+    """Where one local stage's messages come from and go: ``(peer stage, skip keys, same rank)``."""
+
+    previous_local: bool  # stage s - 1 runs on this rank
+    next_local: bool  # stage s + 1 runs on this rank
+    skips_in: Tuple[Tuple[int, list, bool], ...]  # skip tensors this stage pops, by stashing stage
+    skips_out: Tuple[Tuple[int, list, bool], ...]  # skip tensors this stage stashes, by popping stage
+
+
+def _detached(tensors: Sequence) -> tuple:
+    """What a same-rank consumer gets: the tensors as a receive would give them (new leaves)."""
+    return tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
 class Executor:
-    """Executes lowered rows for one stage.
+    """Executes lowered rows for the stages of one rank.
 
     Args:
-        stage: the local stage.
-        transport: its transport.
+        stages: the local stages (one :class:`~lightning_pipe.stage.Stage`, or several).
+        transport: the rank's transport.
         pp_rank: this rank's index in the pipeline (for messages).
         layout: the skip layout (which skip names cross from which stage to which).
-        lookahead: receives posted ahead of need, per kind of message and peer.
+        lookahead: receives posted ahead of need, per kind of message and peer rank.
     """
 
-    def __init__(self, stage: Stage, transport: Transport, pp_rank: int, layout: Optional[SkipLayout] = None,
-                 lookahead: int = 2) -> None:
-        self.stage = stage
+    def __init__(self, stages: Union[Stage, Sequence[Stage]], transport: Transport, pp_rank: int,
+                 layout: Optional[SkipLayout] = None, lookahead: int = 2) -> None:
+        stages = [stages] if isinstance(stages, Stage) else list(stages)
+        self.stages = {stage.stage_index: stage for stage in stages}
+        self.stage = stages[0]  # the stage of the compute action running, or run last
         self.transport = transport
         self.pp_rank = pp_rank
         self.layout = layout
         self.lookahead = lookahead
-        self._handlers = {F: self._forward, B: self._backward}
+        self._routes = {s: self._routes_of(s) for s in self.stages}
+        self._handlers = {F: self._forward, B: self._backward, I: self._backward, W: self._weight}
         self.recorder = None  # a lightning_pipe.trace.Recorder to keep timelines of steps
         self._rec = None  # the current step's StepRecord while recording
+
+    def _routes_of(self, s: int) -> _Routes:
+        local = self.stages
+        incoming = self.layout.incoming(s) if self.layout is not None else {}
+        outgoing = self.layout.outgoing(s) if self.layout is not None else {}
+        return _Routes(
+            s - 1 in local, s + 1 in local,
+            tuple((a, keys, a in local) for a, keys in sorted(incoming.items())),
+            tuple((b, keys, b in local) for b, keys in sorted(outgoing.items())),
+        )
 
     def run(
         self,
@@ -81,43 +117,35 @@ class Executor:
         inputs: Optional[List[tuple]] = None,
         loss_fn: Optional[Callable[[int, tuple], torch.Tensor]] = None,
         keep_outputs: bool = False,
+        before: Optional[Mapping[int, Callable[[], None]]] = None,
     ) -> StepResult:
-        """Run ``row``; ``inputs`` are stage 0's microbatches, ``loss_fn`` is the last stage's criterion."""
+        """Run ``row``; ``inputs`` are the first stage's microbatches, ``loss_fn`` the last stage's criterion.
+
+        ``before`` maps positions in ``row`` to callables run just before that action (the
+        replica sync arms a stage's gradient hooks before the stage's last backward).
+        """
         self._current: Optional[Action] = None
         self._num_microbatches = num_microbatches
         self._inputs = inputs
         self._loss_fn = loss_fn
         self._keep_outputs = keep_outputs
         self._posted: Dict[tuple, PendingRecv] = {}
-        self._outgoing: Dict[tuple, tuple] = {}  # (send kind, peer, microbatch) -> tensors to send
+        self._outgoing: Dict[tuple, tuple] = {}  # (send kind, stage, peer, microbatch) -> tensors to send
+        self._handoff: Dict[tuple, object] = {}  # (message, consumer, producer, microbatch) -> same-rank data
         self._result = StepResult()
-        self._recv_queues: Dict[tuple, List[Action]] = {}
-        for a in row:
-            if a.is_recv:
-                self._recv_queues.setdefault((a.kind, a.peer), []).append(a)
-        self._recv_next = {key: 0 for key in self._recv_queues}
+        self._queue_rows(row)
         start = time.perf_counter()
         self._rec = self.recorder.start(step, row, self.pp_rank) if self.recorder is not None else None
         try:
             self._post_ahead()
-            position = 0
-            while position < len(row):
-                if row[position].is_compute:
-                    self._run_compute(row[position])
-                    position += 1
-                else:
-                    end = position
-                    while end < len(row) and not row[end].is_compute:
-                        end += 1
-                    self._run_comm(row[position:end])
-                    position = end
+            self._follow(row, before or {})
             finishing = time.perf_counter()
             self.transport.finish()
         except PipelineAbortedError:
-            self.stage.clear()
+            self._clear()
             raise
         except Exception as exc:
-            self.stage.clear()
+            self._clear()
             message = f"[pp_rank {self.pp_rank} | step {step} | {self._current}] {type(exc).__name__}: {exc}"
             self.transport.errors.report(message)
             raise PipelineStepError(message) from exc
@@ -127,108 +155,171 @@ class Executor:
             self.recorder.close(self._rec, start, finishing, end)
         return self._result
 
+    def _queue_rows(self, row: Sequence[Action]) -> None:
+        """Per kind of receive and peer rank (one FIFO link), the receives in row order."""
+        ranks = self.transport.stage_ranks
+        self._recv_queues: Dict[tuple, List[Action]] = {}
+        for a in row:
+            if a[0] in _RECVS:
+                self._recv_queues.setdefault((a[0], ranks[a[3]]), []).append(a)
+        self._recv_next = {key: 0 for key in self._recv_queues}
+
+    def _follow(self, row: Sequence[Action], before: Mapping[int, Callable[[], None]]) -> None:
+        position, n = 0, len(row)
+        while position < n:
+            action = row[position]
+            if action[0] in _SENDS or action[0] in _RECVS:
+                end = position + 1
+                while end < n and (row[end][0] in _SENDS or row[end][0] in _RECVS):
+                    end += 1
+                self._run_comm(row[position:end])
+                position = end
+                continue
+            if position in before:
+                before[position]()
+            self._run_compute(action)
+            position += 1
+
+    def _clear(self) -> None:
+        for stage in self.stages.values():
+            stage.clear()
+
     # -- compute ---------------------------------------------------------------------------------
     def _run_compute(self, action: Action) -> None:
         self._current = action
         begin, waited = time.perf_counter(), self._result.wait_seconds
         if _profiler_enabled():
             with record_function(f"pipe/{action}"):
-                self._handlers[action.kind](action.microbatch_index)
+                self._handlers[action[0]](action)
         else:
-            self._handlers[action.kind](action.microbatch_index)
+            self._handlers[action[0]](action)
         end = time.perf_counter()
         self._result.compute_seconds += end - begin - (self._result.wait_seconds - waited)
         if self._rec is not None:
             self._rec.on_compute(action, begin, end)
 
-    def _skip_keys(self, source: int, target: int) -> list:
-        return self.layout.crossing[(source, target)] if self.layout is not None else []
-
-    def _forward(self, i: int) -> None:
-        s = self.stage.stage_index
-        inputs = self._inputs[i] if self.stage.is_first else self._take(RECV_F, s - 1, i)
+    def _forward(self, action: Action) -> None:
+        _, s, i, _ = action
+        stage = self.stage = self.stages[s]
+        routes = self._routes[s]
+        if stage.is_first:
+            inputs = self._inputs[i]
+        elif routes.previous_local:
+            inputs = self._handoff.pop((F, s, s - 1, i))
+        else:
+            inputs = self._take(RECV_F, s, s - 1, i)
         skips = {}
-        for peer in self._peers(RECV_SKIP):
-            skips.update(zip(self._skip_keys(peer, s), self._take(RECV_SKIP, peer, i)))
-        outputs = self.stage.forward(i, inputs, self._num_microbatches, self._loss_fn, skips)
-        if self.stage.is_last:
+        for peer, keys, local in routes.skips_in:
+            tensors = self._handoff.pop(("S", s, peer, i)) if local else self._take(RECV_SKIP, s, peer, i)
+            skips.update(zip(keys, tensors))
+        outputs = stage.forward(i, inputs, self._num_microbatches, self._loss_fn if stage.is_last else None, skips)
+        if stage.is_last:
             if self._keep_outputs:
                 self._result.outputs[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+        elif routes.next_local:
+            self._handoff[(F, s + 1, s, i)] = _detached(outputs)
         else:
-            self._outgoing[(SEND_F, s + 1, i)] = outputs
-        for peer in self._peers(SEND_SKIP):
-            self._outgoing[(SEND_SKIP, peer, i)] = self.stage.outgoing_skips(i, self._skip_keys(s, peer))
+            self._outgoing[(SEND_F, s, s + 1, i)] = outputs
+        for peer, keys, local in routes.skips_out:
+            tensors = stage.outgoing_skips(i, keys)
+            if local:
+                self._handoff[("S", peer, s, i)] = _detached(tensors)
+            else:
+                self._outgoing[(SEND_SKIP, s, peer, i)] = tensors
 
-    def _backward(self, i: int) -> None:
-        s = self.stage.stage_index
-        grads = None if self.stage.is_last else self._take(RECV_B, s + 1, i)
-        skip_grads = {}
-        for peer in self._peers(RECV_SKIP_GRAD):
-            keys = self.stage.skips_requiring_grad(i, self._skip_keys(s, peer))
-            skip_grads.update(zip(keys, self._take(RECV_SKIP_GRAD, peer, i)))
-        input_grads, incoming_skip_grads = self.stage.backward(i, grads, skip_grads)
-        if not self.stage.is_first:
-            self._outgoing[(SEND_B, s - 1, i)] = input_grads
-        for peer in self._peers(SEND_SKIP_GRAD):
-            keys = self._skip_keys(peer, s)
-            self._outgoing[(SEND_SKIP_GRAD, peer, i)] = tuple(
-                incoming_skip_grads[k] for k in keys if k in incoming_skip_grads
-            )
+    def _backward(self, action: Action) -> None:
+        kind, s, i, _ = action
+        stage = self.stage = self.stages[s]
+        routes = self._routes[s]
+        if stage.is_last:
+            grads = None
+        elif routes.next_local:
+            grads = self._handoff.pop((B, s, s + 1, i))
+        else:
+            grads = self._take(RECV_B, s, s + 1, i)
+        skip_grads: dict = {}
+        for peer, keys, local in routes.skips_out:
+            if local:
+                skip_grads.update(self._handoff.pop(("G", s, peer, i)))
+            else:
+                wanted = stage.skips_requiring_grad(i, keys)
+                skip_grads.update(zip(wanted, self._take(RECV_SKIP_GRAD, s, peer, i)))
+        run = stage.backward if kind == B else stage.backward_input
+        input_grads, incoming = run(i, grads, skip_grads)
+        if not stage.is_first:
+            if routes.previous_local:
+                self._handoff[(B, s - 1, s, i)] = input_grads
+            else:
+                self._outgoing[(SEND_B, s, s - 1, i)] = input_grads
+        for peer, keys, local in routes.skips_in:
+            if local:
+                self._handoff[("G", peer, s, i)] = {k: incoming[k] for k in keys if k in incoming}
+            else:
+                self._outgoing[(SEND_SKIP_GRAD, s, peer, i)] = tuple(incoming[k] for k in keys if k in incoming)
 
-    def _peers(self, kind: str) -> list:
-        """The peers this stage exchanges ``kind`` messages with (from the skip layout)."""
-        if self.layout is None:
-            return []
-        s = self.stage.stage_index
-        if kind in (RECV_SKIP, SEND_SKIP_GRAD):
-            return sorted(self.layout.incoming(s))
-        return sorted(self.layout.outgoing(s))
+    def _weight(self, action: Action) -> None:
+        _, s, i, _ = action
+        self.stage = self.stages[s]
+        self.stage.backward_weight(i)
 
     # -- communication ---------------------------------------------------------------------------
     def _run_comm(self, actions: Sequence[Action]) -> None:
+        """Issue a block of sends and receives; the sends go first (see below)."""
         begin = time.perf_counter() if self._rec is not None else 0.0
+        transport, ranks = self.transport, self.transport.stage_ranks
         ops, pending = [], []
         for action in actions:
-            self._current = action
-            kind, i, peer = action.kind, action.microbatch_index, action.peer
-            if action.is_send:
-                ops.extend(self.transport.send(_TAG[kind], peer, i, self._outgoing.pop((kind, peer, i))))
-            else:
-                key = (kind, peer, i)
+            kind, s, i, peer = action
+            if kind in _SENDS:
+                self._current = action
+                ops.extend(transport.send(_TAG[kind], s, peer, i, self._outgoing.pop((kind, s, peer, i))))
+        if not transport.batched:
+            # On a step whose shapes are new, preparing a receive waits for its shapes; a peer may
+            # be waiting for this block's sends at the same time (two stages per rank make such
+            # cycles), so the sends leave first, as the schedule's simulation assumes.
+            transport.issue(ops)
+            ops = []
+        for action in actions:
+            kind, s, i, peer = action
+            if kind in _RECVS:
+                self._current = action
+                key = (kind, s, peer, i)
                 if key not in self._posted:
-                    recv = self.transport.recv(_TAG[kind], peer, i)
+                    recv = transport.recv(_TAG[kind], s, peer, i)
                     self._posted[key] = recv
                     ops.extend(recv.ops)
                     pending.append(recv)
-                self._recv_next[(kind, peer)] += 1
-        self.transport.issue(ops, pending)
+                self._recv_next[(kind, ranks[peer])] += 1
+        transport.issue(ops, pending)
         if self._rec is not None:
             self._rec.on_issued(actions, begin, time.perf_counter())
         self._post_ahead()
 
     def _post_ahead(self) -> None:
-        """Post the next receives of each kind and peer whose shapes are known, up to ``lookahead``."""
-        for (kind, peer), queue in self._recv_queues.items():
-            start = self._recv_next[(kind, peer)]
+        """Post the next receives of each kind and peer rank whose shapes are known, up to ``lookahead``."""
+        transport = self.transport
+        for link, queue in self._recv_queues.items():
+            start = self._recv_next[link]
             for action in queue[start : start + self.lookahead]:
-                key = (kind, peer, action.microbatch_index)
+                kind, s, i, peer = action
+                key = (kind, s, peer, i)
                 if key in self._posted:
                     continue
-                if not self.transport.can_post(_TAG[kind], peer, action.microbatch_index):
+                if not transport.can_post(_TAG[kind], s, peer, i):
                     break
                 begin = time.perf_counter() if self._rec is not None else 0.0
-                recv = self.transport.recv(_TAG[kind], peer, action.microbatch_index)
+                recv = transport.recv(_TAG[kind], s, peer, i)
                 self._posted[key] = recv
-                self.transport.issue(recv.ops, [recv])
+                transport.issue(recv.ops, [recv])
                 if self._rec is not None:
                     self._rec.on_issued((action,), begin, time.perf_counter())
 
-    def _take(self, kind: str, peer: int, i: int) -> tuple:
-        recv = self._posted.pop((kind, peer, i))
+    def _take(self, kind: str, stage: int, peer: int, i: int) -> tuple:
+        recv = self._posted.pop((kind, stage, peer, i))
         begin = time.perf_counter()
         tensors = self.transport.take(recv, f"{_WHAT[kind]} of microbatch {i} from stage {peer}")
         end = time.perf_counter()
         self._result.wait_seconds += end - begin
         if self._rec is not None:
-            self._rec.on_wait(Action(kind, self.stage.stage_index, i, peer), begin, end)
+            self._rec.on_wait(Action(kind, stage, i, peer), begin, end)
         return tensors

@@ -7,14 +7,49 @@ backward: exact and deterministic, unlike allocator statistics, and available on
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from typing import Dict, Hashable, Iterable, Optional
 
 import torch
 from torch import nn
 
 
+class _Counter:
+    """Bytes of distinct tensors, each counted once by the bytes it spans (parameters excluded)."""
+
+    __slots__ = ("exclude", "spans", "total")
+
+    def __init__(self, exclude: set) -> None:
+        self.exclude = exclude
+        self.spans: Dict[tuple, int] = {}  # (storage, offset, numel) -> bytes
+        self.total = 0
+
+    def count(self, tensor) -> None:
+        # Count the bytes a tensor spans, not its whole storage: microbatches are views of one
+        # batch. Views of the same bytes (a transpose, a reshape) are counted once.
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+            return
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr == 0 or ptr in self.exclude:
+            return
+        key = (ptr, tensor.storage_offset(), tensor.numel())
+        if key in self.spans:
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        self.spans[key] = nbytes
+        self.total += nbytes
+
+    def pack(self, tensor):
+        self.count(tensor)
+        return tensor
+
+
 class ActivationMeter:
     """Counts the activation bytes each pending microbatch holds on one stage.
+
+    Args:
+        parameters: tensors whose storage is never counted (the stage's parameters).
+        parent: a meter that also counts these bytes (a rank's meter summing its stages'); it
+            counts bytes that two stages hold (a same-rank hand-off) once.
 
     Example:
         >>> layer = nn.Linear(4, 4)
@@ -27,55 +62,89 @@ class ActivationMeter:
         0
     """
 
-    def __init__(self, parameters: Iterable[nn.Parameter]) -> None:
+    def __init__(self, parameters: Iterable[nn.Parameter] = (), parent: Optional["ActivationMeter"] = None) -> None:
         self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
-        self._bytes: Dict[int, int] = {}
+        self._spans: Dict[Hashable, Dict[tuple, int]] = {}  # microbatch -> the spans it holds
+        self._holders: Dict[tuple, int] = {}  # span -> how many children's microbatches hold it
+        self.parent = parent
         self.held_bytes = 0
         self.peak_bytes = 0
 
-    def record(self, microbatch_index: int, inputs: Iterable):
-        """Context manager counting what the forward of ``microbatch_index`` saves.
+    def record(self, key: Hashable, inputs: Iterable) -> "_Recording":
+        """Context manager counting what the forward of microbatch ``key`` saves.
 
         ``inputs`` are the stage inputs the stage itself keeps alive (they count too, once).
         """
-        seen = set()
-        total = [0]
-
-        def count(tensor) -> None:
-            # Count the bytes a tensor spans, not its whole storage: microbatches are views of one
-            # batch. Views of the same bytes (a transpose, a reshape) are counted once.
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-                return
-            ptr = tensor.untyped_storage().data_ptr()
-            if ptr == 0 or ptr in self._parameter_storages:
-                return
-            key = (ptr, tensor.storage_offset(), tensor.numel())
-            if key in seen:
-                return
-            seen.add(key)
-            total[0] += tensor.numel() * tensor.element_size()
-
+        counter = _Counter(self._parameter_storages)
         for tensor in inputs:
-            count(tensor)
+            counter.count(tensor)
+        return _Recording(self, key, counter)
 
-        def pack(tensor):
-            count(tensor)
-            return tensor
+    def add(self, key: Hashable, tensors: Iterable) -> None:
+        """Microbatch ``key`` also holds ``tensors`` (e.g. activations recomputed for its backward)."""
+        counter = _Counter(self._parameter_storages)
+        for tensor in tensors:
+            counter.count(tensor)
+        self._hold(key, counter.spans)
 
-        meter = self
+    def release(self, key: Hashable) -> None:
+        """The backward of microbatch ``key`` ran: its activations are freed."""
+        spans = self._spans.pop(key, {})
+        self._change(-sum(spans.values()))
+        if self.parent is not None:
+            self.parent._drop(spans)
 
-        class _Recorder(torch.autograd.graph.saved_tensors_hooks):
-            def __exit__(self, *exc):
-                super().__exit__(*exc)
-                meter._bytes[microbatch_index] = total[0]
-                meter.held_bytes += total[0]
-                meter.peak_bytes = max(meter.peak_bytes, meter.held_bytes)
+    def _hold(self, key: Hashable, spans: Dict[tuple, int]) -> None:
+        held = self._spans.get(key)
+        if held is None:
+            held = self._spans[key] = new = spans
+        else:
+            new = {span: nbytes for span, nbytes in spans.items() if span not in held}
+            held.update(new)
+        self._change(sum(new.values()))
+        if self.parent is not None:
+            self.parent._take(new)
 
-        return _Recorder(pack, lambda tensor: tensor)
+    def _take(self, spans: Dict[tuple, int]) -> None:
+        """A child holds ``spans``: count those no other child holds."""
+        added = 0
+        for span, nbytes in spans.items():
+            count = self._holders.get(span, 0)
+            self._holders[span] = count + 1
+            if count == 0:
+                added += nbytes
+        self._change(added)
 
-    def release(self, microbatch_index: int) -> None:
-        """The backward of ``microbatch_index`` ran: its activations are freed."""
-        self.held_bytes -= self._bytes.pop(microbatch_index, 0)
+    def _drop(self, spans: Dict[tuple, int]) -> None:
+        removed = 0
+        for span, nbytes in spans.items():
+            count = self._holders.pop(span) - 1
+            if count:
+                self._holders[span] = count
+            else:
+                removed += nbytes
+        self._change(-removed)
+
+    def _change(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        if self.held_bytes > self.peak_bytes:
+            self.peak_bytes = self.held_bytes
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.held_bytes
+
+
+def _identity(tensor):
+    return tensor
+
+
+class _Recording(torch.autograd.graph.saved_tensors_hooks):
+    """The hooks of one :meth:`ActivationMeter.record`: count while the forward saves tensors."""
+
+    def __init__(self, meter: ActivationMeter, key: Hashable, counter: _Counter) -> None:
+        super().__init__(counter.pack, _identity)
+        self.meter, self.key, self.counter = meter, key, counter
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.meter._hold(self.key, self.counter.spans)

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_pipe.errors import PartitionError
+from lightning_pipe.errors import ConfigurationError, PartitionError
 from lightning_pipe.memory import ActivationMeter
+from lightning_pipe.schedule.placement import placement as placement_of
 from lightning_pipe.ties import find_ties
 
 TIES_ATTRIBUTE = "_lightning_pipe_ties"  # the tied parameters of the model a stage was cut from
@@ -337,6 +338,7 @@ def partition(
     nranks: int,
     balance: Optional[Sequence[int]] = None,
     num_model_chunks: Optional[int] = None,
+    placement: str = "loop",
 ) -> Union[nn.Sequential, List[nn.Sequential]]:
     """Keep the layers of ``module`` that belong to ``rank``.
 
@@ -345,37 +347,54 @@ def partition(
         rank: this process's stage rank in ``[0, nranks)``.
         nranks: the number of pipeline ranks.
         balance: layer counts per part; by default balanced by parameter count.
-        num_model_chunks: with ``v`` chunks the model is cut into ``nranks * v`` parts and rank ``r``
-            keeps parts ``r, r + nranks, ...`` (interleaved placement); a list is returned.
+        num_model_chunks: with ``v`` chunks the model is cut into ``nranks * v`` parts (stages) and a
+            list of this rank's parts is returned, in stage order.
+        placement: which parts a rank keeps (see :mod:`lightning_pipe.schedule.placement`):
+            ``"loop"``: parts ``r, r + nranks, ...`` (interleaved 1F1B); ``"v"``: parts ``r`` and
+            ``2 * nranks - 1 - r`` (ZB-V; needs ``num_model_chunks=2``).
 
     Returns:
-        The local stage, of the same class as ``module`` and with the original child names.
-        Parameters registered in layers of several stages (tied weights) are remembered, and
-        :class:`lightning_pipe.Pipeline` sums their gradients over those stages in every step.
+        The local stage, of the same class as ``module`` and with the original child names (a
+        list of them with ``num_model_chunks``). Parameters registered in layers of several ranks
+        (tied weights) are remembered, and :class:`lightning_pipe.Pipeline` sums their gradients
+        over those ranks in every step.
+
+    Raises:
+        PartitionError: the model has fewer layers than parts, a bad balance, or a placement that
+            does not fit ``num_model_chunks``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
         >>> list(partition(model, 1, 2, balance=[2, 1]).state_dict())
         ['2.weight', '2.bias']
+        >>> model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+        >>> [list(part._modules) for part in partition(model, 0, 2, num_model_chunks=2, placement="v")]
+        [['0'], ['3']]
     """
     if not isinstance(module, nn.Sequential):
         raise PartitionError(f"partition() splits an nn.Sequential, got {type(module).__name__}")
     if not 0 <= rank < nranks:
         raise PartitionError(f"rank {rank} is outside [0, {nranks})")
     chunks = 1 if num_model_chunks is None else num_model_chunks
-    if chunks < 1:
-        raise PartitionError(f"num_model_chunks must be at least 1, got {num_model_chunks}")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise PartitionError(f"num_model_chunks must be at least 1, got {num_model_chunks!r}")
     num_parts = nranks * chunks
+    try:
+        part_ranks = placement_of(placement, nranks, num_parts)
+    except ConfigurationError as error:
+        raise PartitionError(f"{error} (num_model_chunks={chunks}, placement={placement!r})") from None
     names = list(module._modules)
     if balance is None:
         balance = balance_by_parameters(module, num_parts)
     balance = check_balance(balance, len(names), num_parts)
     ranges = split_points(balance)
-    rank_of = {name: k % nranks for k, (start, stop) in enumerate(ranges) for name in names[start:stop]}
+    rank_of = {name: part_ranks[k] for k, (start, stop) in enumerate(ranges) for name in names[start:stop]}
     ties = find_ties(module, lambda name: [rank_of[name.split(".", 1)[0]]])
     parts = []
-    for start, stop in ranges[rank::nranks]:
+    for k, (start, stop) in enumerate(ranges):
+        if part_ranks[k] != rank:
+            continue
         part = type(module)(OrderedDict((name, module._modules[name]) for name in names[start:stop]))
-        part.__dict__[TIES_ATTRIBUTE] = ties  # read by the pipeline, which sums their gradients over stages
+        part.__dict__[TIES_ATTRIBUTE] = ties  # read by the pipeline, which sums their gradients over ranks
         parts.append(part)
     return parts if num_model_chunks is not None else parts[0]

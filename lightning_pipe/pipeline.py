@@ -1,20 +1,22 @@
-"""The plain-PyTorch pipeline API: ``GPipe`` and ``PipeDream`` (1F1B) without Lightning.
+"""The plain-PyTorch pipeline API: :class:`Pipeline`, ``GPipe`` and ``PipeDream`` (1F1B), without Lightning.
 
-Each process holds one stage (see :func:`lightning_pipe.partition`) and calls the same method
-with the same arguments shape-wise; only the first stage needs real inputs and only the last
-stage needs labels. The surface follows haiscale's pipeline API.
+Each process holds one rank's stages (see :func:`lightning_pipe.partition`: one stage, or several
+under interleaved and V placements) and calls the same method with the same arguments
+shape-wise; only the rank holding the first stage needs real inputs and only the rank holding
+the last stage needs labels (rank 0 and the last rank, except under ZB-V, whose last stage is on
+rank 0). The surface follows haiscale's pipeline API.
 """
 
 from __future__ import annotations
 
 import itertools
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_pipe import rng
 from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
@@ -22,57 +24,98 @@ from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel
-from lightning_pipe.microbatch import batch_size_of, gather, microbatch_sizes, scatter
-from lightning_pipe.schedule import SCHEDULES, gpipe_forward, validate
-from lightning_pipe.skip.layout import SkipLayout, declarations
+from lightning_pipe.memory import ActivationMeter
+from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, scatter
 from lightning_pipe.partition import TIES_ATTRIBUTE
+from lightning_pipe.replicas import ReplicaSync
+from lightning_pipe.schedule import ALL_SCHEDULES, forward_only, make_table, validate
+from lightning_pipe.skip.layout import SkipLayout, declarations
 from lightning_pipe.stage import Stage
 from lightning_pipe.ties import TiedGradients, sum_step_gradients
-from lightning_pipe.trace import Recorder, StepRecord, gather_records
+from lightning_pipe.tracing import Tracing
 from lightning_pipe.transport import Transport
 
 _instances = itertools.count()
 
 
-def _meta_signature(microbatches) -> tuple:
-    signature = []
-    for mb in microbatches:
-        leaves, spec = tree_flatten(mb)
-        signature.append((str(spec), tuple((l.dtype, tuple(l.shape), l.requires_grad) if isinstance(l, torch.Tensor) else type(l) for l in leaves)))
-    return tuple(signature)
+def _input_signature(inputs: tuple, chunks: int, batch_dim: int) -> tuple:
+    """What the microbatches' structure, shapes and dtypes follow from (``scatter`` is deterministic)."""
+    leaves, spec = tree_flatten(inputs, is_leaf=lambda x: isinstance(x, NoChunk))
+    metas = []
+    for leaf in leaves:
+        tensor = leaf.tensor if isinstance(leaf, NoChunk) else leaf
+        metas.append((type(leaf), tensor.dtype, tuple(tensor.shape), tensor.requires_grad)
+                     if isinstance(tensor, torch.Tensor) else type(leaf))
+    return spec, tuple(metas), chunks, batch_dim
 
 
-def _device_of(module: nn.Module, group) -> torch.device:
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
+def _device_of(modules: Sequence[nn.Module], group) -> torch.device:
+    for tensor in itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules):
         return tensor.device
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-class Pipeline:
-    """One stage of a pipeline run over ``process_group`` with a given schedule.
+def _as_modules(module: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
+    if isinstance(module, (list, tuple, nn.ModuleList)):
+        return list(module)
+    return [module]
+
+
+def _stages_per_rank(schedule: str, virtual_stages: Optional[int], modules: List[nn.Module]) -> int:
+    """Check the schedule and the number of modules this rank was given; return stages per rank."""
+    if schedule not in ALL_SCHEDULES:
+        raise ConfigurationError(f"schedule must be one of {sorted(ALL_SCHEDULES)}, got {schedule!r}")
+    spec = ALL_SCHEDULES[schedule]
+    if virtual_stages is None and spec.stages_per_rank is None and len(modules) > 1:
+        virtual_stages = len(modules)
+    v = spec.virtual_stages(virtual_stages)
+    if len(modules) != v:
+        how = "placement='v'" if spec.placement == "v" else "placement='loop'"
+        raise ConfigurationError(
+            f"schedule {schedule!r} runs {v} stage{'s' if v > 1 else ''} per rank, but this rank was given "
+            f"{len(modules)} module{'s' if len(modules) > 1 else ''}; pass the list that "
+            f"partition(model, rank, nranks, num_model_chunks={v}, {how}) returns"
+        )
+    return v
+
+
+class Pipeline(Tracing):
+    """This rank's stages of a pipeline run over ``process_group`` with a given schedule.
 
     Args:
-        module: this process's stage (e.g. from :func:`lightning_pipe.partition`).
+        module: this rank's stage (e.g. from :func:`lightning_pipe.partition`), or its stages in
+            stage order (a list) for schedules that run several stages per rank.
         chunks: the number of microbatches a batch is split into (``num_microbatches``).
-        process_group: the pipeline's group; its rank ``s`` runs stage ``s``. Default: WORLD.
+        process_group: the pipeline's group; under the schedule's placement its rank ``r`` runs
+            stage ``r`` (and, with several stages per rank, ``r + p, ...`` or ``2p - 1 - r``).
+            Default: WORLD.
         batch_dim: the dimension along which inputs and labels are split.
         checkpoint: ``"always"``, ``"except_last"``, ``"never"`` (or a bool).
-        schedule: ``"gpipe"`` or ``"1f1b"``.
-        broadcast_outputs: whether :meth:`forward` returns the outputs on every stage.
+        schedule: a name in :data:`lightning_pipe.schedule.ALL_SCHEDULES`: ``"gpipe"``,
+            ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
+        broadcast_outputs: whether :meth:`forward` returns the outputs on every rank.
         timeout: how long to wait for one message before failing.
         device: where received tensors go; default: the module's device (NCCL: the current GPU).
-        deferred_batch_norm: replace the stage's BatchNorms with :class:`DeferredBatchNorm`, whose
+        deferred_batch_norm: replace the stages' BatchNorms with :class:`DeferredBatchNorm`, whose
             running statistics are updated once per step as if the whole batch ran at once.
         variable_messages: what stages send each other may change structure with the data (an
             optional mask that is None in some microbatches); their shapes then travel with every
             message instead of once, costing a small message each.
+        virtual_stages: stages per rank for ``"interleaved_1f1b"`` (default: the number of
+            modules given); the other schedules fix it (``"zbv"``: 2, the rest: 1).
+        dp_group: the data-parallel group of this rank's stages (its replicas). With it,
+            :meth:`forward_backward` averages the gradients over the replicas, overlapped with the
+            backward (see :mod:`lightning_pipe.replicas`), unless ``sync_replicas=False``.
+
+    Raises:
+        ConfigurationError: a bad argument, raised on every rank before any communication.
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        module: Union[nn.Module, Sequence[nn.Module]],
         chunks: int,
         process_group: Optional[dist.ProcessGroup] = None,
         batch_dim: int = 0,
@@ -83,63 +126,112 @@ class Pipeline:
         device: Optional[torch.device] = None,
         deferred_batch_norm: bool = False,
         variable_messages: bool = False,
+        virtual_stages: Optional[int] = None,
+        dp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
-        if schedule not in SCHEDULES:
-            raise ConfigurationError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        modules = _as_modules(module)
+        self.virtual_stages = _stages_per_rank(schedule, virtual_stages, modules)
+        checkpoint = check_checkpoint(checkpoint)
         if not dist.is_initialized():
             raise ConfigurationError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
         if deferred_batch_norm:
-            module = DeferredBatchNorm.convert_deferred_batch_norm(module)
+            modules = [DeferredBatchNorm.convert_deferred_batch_norm(m) for m in modules]
+        self.modules = modules
+        self.module = modules[0] if len(modules) == 1 and not isinstance(module, (list, tuple, nn.ModuleList)) \
+            else nn.ModuleList(modules)
         self.deferred_batch_norm = deferred_batch_norm
         self.variable_messages = variable_messages
-        self.module = module
         self.chunks = chunks
         self.batch_dim = batch_dim
         self.schedule = schedule
+        self.spec = ALL_SCHEDULES[schedule]
         self.broadcast_outputs = broadcast_outputs
         self.group = process_group if process_group is not None else dist.group.WORLD
-        self.ranks = dist.get_process_group_ranks(self.group)
-        self._stage_index = dist.get_rank(self.group)
-        self._num_stages = len(self.ranks)
-        checkpoint = check_checkpoint(checkpoint)
-        self.skip_layout = self._skip_layout(module)
-        device = device if device is not None else _device_of(module, self.group)
-        self.stage = Stage(module, self._stage_index, self._num_stages, checkpoint, device)
-        self.ties = TiedGradients(getattr(module, TIES_ATTRIBUTE, ()), module, self._stage_index, self.group)
-        # Private API: the default store is the one place every rank already shares without a new
-        # rendezvous; the error channel needs exactly that.
-        store = dist.distributed_c10d._get_default_store()
-        prefix = f"lightning_pipe/{next(_instances)}/{'-'.join(map(str, self.ranks))}/"
-        self.errors = ErrorChannel(store, prefix, timeout, threaded=dist.get_backend(self.group) != "nccl")
-        self.transport = Transport(self.group, self._stage_index, self._num_stages, device, self.errors)
-        self.executor = Executor(self.stage, self.transport, self._stage_index, self.skip_layout)
+        self._place()
+        self.skip_layout = self._skip_layout(modules)
+        device = device if device is not None else _device_of(modules, self.group)
+        self._build_stages(modules, checkpoint, device, dp_group)
+        self._setup_communication(timeout, device)
         self._rows: Dict[Tuple[str, int], tuple] = {}
         self._signature = None
         self.step_seed: Optional[int] = None
         self._step = 0
         self.last_step: Optional[StepResult] = None
         self.last_sizes: List[int] = []
+        self._row(self.schedule, chunks)  # a table that cannot run fails here, on every rank
+
+    def _place(self) -> None:
+        """Which stages this rank runs, under the schedule's placement."""
+        if self.virtual_stages > 1 and dist.get_backend(self.group) == "nccl":
+            raise ConfigurationError(
+                f"schedule {self.schedule!r} runs {self.virtual_stages} stages per rank, which the NCCL transport does "
+                "not support yet (its grouped sends and receives could wait on each other across two stages); "
+                "use a gloo process group, or one stage per rank: 'gpipe', '1f1b' or 'zb_h1'"
+            )
+        self.ranks = dist.get_process_group_ranks(self.group)
+        self.pp_rank = dist.get_rank(self.group)
+        self.num_ranks = len(self.ranks)
+        self.stage_ranks = self.spec.stage_ranks(self.num_ranks, self.virtual_stages)
+        self.stage_indices = tuple(s for s, r in enumerate(self.stage_ranks) if r == self.pp_rank)
+        self.holds_first = 0 in self.stage_indices
+        self.holds_last = len(self.stage_ranks) - 1 in self.stage_indices
+
+    def _build_stages(self, modules: List[nn.Module], checkpoint: str, device: torch.device,
+                      dp_group: Optional[dist.ProcessGroup]) -> None:
+        self.meter = ActivationMeter()  # this rank's activation bytes, all its stages together
+        self.stages = [
+            Stage(m, s, len(self.stage_ranks), checkpoint, device, self.spec.split_backward, self.meter)
+            for m, s in zip(modules, self.stage_indices)
+        ]
+        self.ties = TiedGradients(getattr(modules[0], TIES_ATTRIBUTE, ()), modules, self.pp_rank, self.group)
+        self.dp_group = dp_group
+        self.replicas = None
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            self.replicas = ReplicaSync([(s.stage_index, list(s.module.parameters())) for s in self.stages],
+                                        dp_group, exclude=self.ties.parameters())
+
+    def _setup_communication(self, timeout: timedelta, device: torch.device) -> None:
+        # Private API: the default store is the one place every rank already shares without a new
+        # rendezvous; the error channel needs exactly that.
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"lightning_pipe/{next(_instances)}/{'-'.join(map(str, self.ranks))}/"
+        self.errors = ErrorChannel(store, prefix, timeout, threaded=dist.get_backend(self.group) != "nccl")
+        self.transport = Transport(self.group, self.pp_rank, self.num_ranks, device, self.errors, self.stage_ranks)
+        self.executor = Executor(self.stages, self.transport, self.pp_rank, self.skip_layout)
+
+    @property
+    def stage(self) -> Stage:
+        """The stage running a forward or backward now (the one that ran last between actions).
+
+        With one stage per rank it is always that stage; the Lightning glue reads its
+        ``microbatch_index`` inside the user's step.
+        """
+        return self.executor.stage
 
     def num_stages(self) -> int:
-        """The number of pipeline stages."""
-        return self._num_stages
+        """The number of pipeline stages (ranks times stages per rank)."""
+        return len(self.stage_ranks)
 
     def stage_index(self) -> int:
-        """This process's stage."""
-        return self._stage_index
+        """This process's stage (with several stages per rank: its first, whose index is the pp rank)."""
+        return self.stage_indices[0]
 
     stage_id = stage_index
 
-    def _skip_layout(self, module: nn.Module) -> Optional[SkipLayout]:
+    def _skip_layout(self, modules: List[nn.Module]) -> Optional[SkipLayout]:
         """Gather every stage's stash/pop declarations (a collective over the group, once)."""
-        local = declarations(list(module.named_children()) if isinstance(module, nn.Sequential) else [("", module)])
-        per_stage: List[Any] = [None] * self._num_stages
-        if self._num_stages > 1:
-            dist.all_gather_object(per_stage, local, group=self.group)
+        local = [declarations(list(m.named_children()) if isinstance(m, nn.Sequential) else [("", m)]) for m in modules]
+        per_rank: List[Any] = [None] * self.num_ranks
+        if self.num_ranks > 1:
+            dist.all_gather_object(per_rank, local, group=self.group)
         else:
-            per_stage = [local]
+            per_rank = [local]
+        per_stage: List[Any] = [None] * len(self.stage_ranks)
+        for r, declared in enumerate(per_rank):
+            for s, decls in zip((s for s, owner in enumerate(self.stage_ranks) if owner == r), declared):
+                per_stage[s] = decls
         if not any(per_stage):
             return None
         return SkipLayout(per_stage)
@@ -147,26 +239,29 @@ class Pipeline:
     def _row(self, name: str, num_microbatches: int) -> tuple:
         key = (name, num_microbatches)
         if key not in self._rows:
-            generator = gpipe_forward if name == "forward" else SCHEDULES[name]
+            tables = make_table(self.schedule, self.num_ranks, num_microbatches, self.virtual_stages)
+            if name == "forward":
+                tables = forward_only(tables)
             routes = self.skip_layout.routes if self.skip_layout is not None else ()
-            tables = generator(self._num_stages, num_microbatches)
-            self._rows[key] = validate(tables, routes)[self._stage_index]
+            self._rows[key] = validate(tables, routes)[self.pp_rank]
         return self._rows[key]
 
     def _start_step(self, inputs: tuple) -> Tuple[Optional[list], list]:
-        """Split the inputs on stage 0 and agree on the step's microbatches with every stage."""
+        """Split the inputs on rank 0 (stage 0) and agree on the step's microbatches with every rank."""
         microbatches = None
         header = None
-        if self._stage_index == 0:
+        if self.pp_rank == 0:
             microbatches = scatter(tuple(inputs), self.chunks, self.batch_dim)
-            signature = (torch.is_grad_enabled(), _meta_signature(microbatches))
+            signature = (torch.is_grad_enabled(), _input_signature(tuple(inputs), self.chunks, self.batch_dim))
             fresh = signature != self._signature or self.variable_messages
             self._signature = signature
             sizes = microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks)
             header = [len(microbatches), int(fresh), rng.draw_step_seed()] + sizes + [0] * (self.chunks - len(sizes))
         header = self.transport.exchange_header(header, 3 + self.chunks)
         num_microbatches = header[0]
-        self.step_seed = self.stage.step_seed = header[2]
+        self.step_seed = header[2]
+        for stage in self.stages:
+            stage.step_seed = self.step_seed
         self.last_sizes = header[3 : 3 + num_microbatches]
         return microbatches, self.last_sizes
 
@@ -207,6 +302,7 @@ class Pipeline:
         return_outputs: bool = False,
         loss_scale: float = 1.0,
         loss_reduction: str = "mean",
+        sync_replicas: bool = True,
     ) -> Tuple[Optional[torch.Tensor], Any]:
         """Run forward and backward of one batch through the pipeline.
 
@@ -220,28 +316,34 @@ class Pipeline:
         per-microbatch sums with ``loss_scale=1 / total count``. ``loss_scale`` multiplies the loss
         that is backpropagated, not the loss returned (Lightning divides by
         ``accumulate_grad_batches`` this way). Tied parameters that :func:`partition` found on
-        several stages get the sum of their stages' gradients before this returns.
+        several ranks get the sum of their ranks' gradients before this returns. With a
+        ``dp_group`` and ``sync_replicas`` (the default), ``.grad`` then holds the average over
+        the replicas of everything accumulated so far; pass ``sync_replicas=False`` on steps that
+        only accumulate.
 
         Returns:
-            ``(loss, outputs)`` on the last stage (``outputs`` None unless ``return_outputs``);
-            ``(None, None)`` on the other stages.
+            ``(loss, outputs)`` on the rank holding the last stage (``outputs`` None unless
+            ``return_outputs``); ``(None, None)`` on the other ranks.
         """
         if loss_reduction not in ("mean", "sum"):
             raise ConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         microbatches, sizes = self._start_step(inputs)
         num_microbatches = len(sizes)
         losses: Dict[int, torch.Tensor] = {}
-        loss_fn = self._loss_fn(criterion, labels, sizes, loss_scale, loss_reduction, losses) if self.stage.is_last else None
+        loss_fn = self._loss_fn(criterion, labels, sizes, loss_scale, loss_reduction, losses) if self.holds_last else None
+        row = self._row(self.schedule, num_microbatches)
+        replicas = self.replicas if sync_replicas else None
+        before = replicas.begin((self.schedule, num_microbatches), row) if replicas is not None else None
 
         def run() -> StepResult:
-            return self.executor.run(
-                self._row(self.schedule, num_microbatches), self._step, num_microbatches,
-                microbatches, loss_fn, keep_outputs=return_outputs,
-            )
+            return self.executor.run(row, self._step, num_microbatches, microbatches, loss_fn,
+                                     keep_outputs=return_outputs, before=before)
 
         result = sum_step_gradients(self.ties, run) if self.ties else run()
+        if replicas is not None:
+            replicas.finish()
         self._finish_step(result)
-        if not self.stage.is_last:
+        if not self.holds_last:
             return None, None
         loss = torch.stack([losses[i] for i in range(num_microbatches)]).sum()
         outputs = self._merge([result.outputs[i] for i in range(num_microbatches)]) if return_outputs else None
@@ -249,7 +351,8 @@ class Pipeline:
 
     def _finish_step(self, result: StepResult) -> None:
         if self.deferred_batch_norm:
-            commit_deferred_batch_norm(self.module)
+            for module in self.modules:
+                commit_deferred_batch_norm(module)
         self.reseed(rng.END)
         self._step += 1
         self.last_step = result
@@ -268,19 +371,21 @@ class Pipeline:
         result = self.executor.run(
             self._row("forward", num_microbatches), self._step, num_microbatches, microbatches, keep_outputs=True
         )
-        self.stage.clear()  # a forward-only step under grad mode keeps no graph for later
+        for stage in self.stages:
+            stage.clear()  # a forward-only step under grad mode keeps no graph for later
         self._finish_step(result)
-        return [result.outputs[i] for i in range(num_microbatches)] if self.stage.is_last else None
+        return [result.outputs[i] for i in range(num_microbatches)] if self.holds_last else None
 
     def forward(self, *inputs: Any) -> Any:
         """Run forward only (use under ``torch.no_grad()`` for evaluation).
 
         Returns:
-            The merged output on the last stage (on every stage with ``broadcast_outputs``), else None.
+            The merged output on the rank holding the last stage (on every rank with
+            ``broadcast_outputs``), else None.
         """
         per_microbatch = self.forward_microbatches(*inputs)
         outputs = self._merge(per_microbatch) if per_microbatch is not None else None
-        if self.broadcast_outputs and self._num_stages > 1:
+        if self.broadcast_outputs and self.num_ranks > 1:
             outputs = self._broadcast(outputs)
         return outputs
 
@@ -292,139 +397,13 @@ class Pipeline:
 
     def _broadcast(self, outputs: Any) -> Any:
         # Evaluation path only: the meta is pickled once per call, the tensors are broadcast.
-        source = self.ranks[-1]
-        leaves, spec = tree_flatten(outputs) if self.stage.is_last else (None, None)
-        box = [(spec, [(l.shape, l.dtype) for l in leaves])] if self.stage.is_last else [None]
+        source = self.ranks[self.stage_ranks[-1]]
+        leaves, spec = tree_flatten(outputs) if self.holds_last else (None, None)
+        box = [(spec, [(l.shape, l.dtype) for l in leaves])] if self.holds_last else [None]
         dist.broadcast_object_list(box, src=source, group=self.group, device=self.transport.device)
         spec, metas = box[0]
-        if not self.stage.is_last:
+        if not self.holds_last:
             leaves = [torch.empty(shape, dtype=dtype, device=self.transport.device) for shape, dtype in metas]
         for tensor in leaves:
             dist.broadcast(tensor, src=source, group=self.group)
-        from torch.utils._pytree import tree_unflatten
-
         return tree_unflatten(leaves, spec)
-
-    # -- timelines ---------------------------------------------------------------------------------
-    def trace_steps(self, steps: Optional[Iterable[int]] = None, keep: int = 64) -> Recorder:
-        """Record the timeline of ``steps`` (default: every step from now on, the last ``keep`` kept).
-
-        Steps are counted by the pipeline from 0; each ``forward_backward`` and ``forward`` call is
-        one. Every stage should record the same steps. Recording costs about a microsecond per
-        action; when it is off (the default) the executor pays one ``is not None`` test per action.
-        Export with :meth:`export_trace` and :meth:`save_timeline_png`, or gather the records with
-        :meth:`gather_trace` for :func:`lightning_pipe.trace.pipeline_metrics`.
-
-        Example (one process; more stages need one process each):
-            >>> import os, tempfile, torch, torch.distributed as dist
-            >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            >>> pipe = GPipe(torch.nn.Sequential(torch.nn.Linear(3, 1)), chunks=2)
-            >>> recorder = pipe.trace_steps(range(1, 3))  # steps 1 and 2
-            >>> for _ in range(4):
-            ...     _ = pipe.forward_backward(torch.ones(4, 3), criterion=torch.nn.functional.mse_loss,
-            ...                               labels=(torch.zeros(4, 1),))
-            >>> [record.step for record in recorder.records]
-            [1, 2]
-            >>> [str(action) for action, begin, end in recorder.records[0].compute]
-            ['0F0', '0F1', '0B1', '0B0']
-            >>> path = pipe.export_trace(os.path.join(tempfile.mkdtemp(), "trace.json"))  # ui.perfetto.dev
-            >>> pipe.stop_tracing() is recorder
-            True
-            >>> dist.destroy_process_group()
-        """
-        self.executor.recorder = Recorder(steps, keep)
-        return self.executor.recorder
-
-    def stop_tracing(self) -> Optional[Recorder]:
-        """Stop recording; return the recorder (its records stay readable), None if none was set."""
-        recorder, self.executor.recorder = self.executor.recorder, None
-        return recorder
-
-    @property
-    def recorder(self) -> Optional[Recorder]:
-        """The recorder set by :meth:`trace_steps`, or None when no step is being recorded."""
-        return self.executor.recorder
-
-    def gather_trace(self, records: Optional[Sequence[StepRecord]] = None) -> Optional[List[StepRecord]]:
-        """Every stage's records (default: its recorder's) on stage 0, clocks aligned.
-
-        A collective over the pipeline's group: every stage must call it. Returns None elsewhere.
-        """
-        if records is None:
-            if self.executor.recorder is None:
-                raise ConfigurationError("no steps were recorded: call pipe.trace_steps() on every stage before the steps")
-            records = self.executor.recorder.records
-        return gather_records(records, self.group, 0, self.transport.device)
-
-    def export_trace(self, path: str) -> Optional[str]:
-        """Write every stage's recorded steps as one Chrome trace JSON (opens in ui.perfetto.dev).
-
-        A collective over the pipeline's group: every stage calls it; stage 0 writes ``path`` and
-        returns it, the others return None.
-        """
-        from lightning_pipe.timeline import write_chrome_trace
-
-        records = self.gather_trace()
-        return write_chrome_trace(records, path) if records is not None else None
-
-    def save_timeline_png(self, path: str, step: Optional[int] = None) -> Optional[str]:
-        """Draw a recorded step of every stage above its simulated plan as a PNG (needs matplotlib).
-
-        A collective over the pipeline's group: every stage calls it; stage 0 writes ``path`` and
-        returns it, the others return None. ``step`` defaults to the last step recorded.
-        """
-        from lightning_pipe.timeline import save_timeline_png
-
-        records = self.gather_trace()
-        return save_timeline_png(records, path, step) if records is not None else None
-
-
-class GPipe(Pipeline):
-    """GPipe: all forwards, then all backwards (the seed's ``haiscale.pipeline.GPipe``).
-
-    Example (one process; more stages need one process each):
-        >>> import os, torch, torch.distributed as dist
-        >>> store = dist.HashStore()
-        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        >>> model = GPipe(torch.nn.Sequential(torch.nn.Linear(3, 1)), chunks=2)
-        >>> loss, _ = model.forward_backward(torch.ones(4, 3), criterion=torch.nn.functional.mse_loss,
-        ...                                  labels=(torch.zeros(4, 1),))
-        >>> loss.shape
-        torch.Size([])
-        >>> dist.destroy_process_group()
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        chunks: int,
-        process_group: Optional[dist.ProcessGroup] = None,
-        batch_dim: int = 0,
-        checkpoint: Union[str, bool] = "never",
-        broadcast_outputs: bool = True,
-        timeout: timedelta = timedelta(minutes=30),
-        deferred_batch_norm: bool = False,
-    ) -> None:
-        super().__init__(
-            module, chunks, process_group, batch_dim, checkpoint, "gpipe", broadcast_outputs, timeout,
-            deferred_batch_norm=deferred_batch_norm,
-        )
-
-
-class PipeDream(Pipeline):
-    """1F1B (PipeDream-flush): the same result as GPipe with at most ``num_stages`` microbatches in flight."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        chunks: int,
-        process_group: Optional[dist.ProcessGroup] = None,
-        batch_dim: int = 0,
-        checkpoint: Union[str, bool] = False,
-        timeout: timedelta = timedelta(minutes=30),
-        deferred_batch_norm: bool = False,
-    ) -> None:
-        super().__init__(
-            module, chunks, process_group, batch_dim, checkpoint, "1f1b", False, timeout,
-            deferred_batch_norm=deferred_batch_norm,
-        )

@@ -3,7 +3,9 @@
 The stage keeps, per pending microbatch, what its backward needs: the inputs it received (leaves
 whose ``.grad`` becomes the gradient to send back), the outputs (or the loss) to backpropagate
 from, and the skip tensors it received or stashed for later stages. It applies the checkpoint
-policy and counts activation memory.
+policy and counts activation memory. The backward runs whole (``B``) or in two parts (``I``, then
+``W``; see :mod:`lightning_pipe.split_backward`); a microbatch's activations count until the
+part that frees them.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import torch
 from torch import nn
 
 from lightning_pipe import rng
-from lightning_pipe.checkpoint import checkpointed, should_checkpoint
+from lightning_pipe.checkpoint import Recomputation, checkpointed, should_checkpoint
 from lightning_pipe.errors import PipelineStepError
 from lightning_pipe.memory import ActivationMeter
+from lightning_pipe.skip.skippable import Skippable
 from lightning_pipe.skip.tracker import Key, SkipTracker, use_tracker
+from lightning_pipe.split_backward import WeightGradients, backward_input, run_backward
 
 
 def as_tuple(value) -> tuple:
@@ -34,6 +38,7 @@ class _Pending(NamedTuple):
     roots: tuple  # what backward starts from: the outputs, or the loss on the last stage
     tracker: SkipTracker  # skip tensors of this microbatch: received ones and stashed ones
     incoming: Tuple[Key, ...]  # keys of the skip tensors received from earlier stages
+    recomputation: Optional[Recomputation]  # a checkpointed forward under a split backward
 
 
 class Stage:
@@ -45,6 +50,9 @@ class Stage:
         num_stages: number of stages.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         device: the device whose generator is seeded per microbatch (besides the CPU's).
+        split_backward: whether backwards run as ``I`` then ``W`` (checkpointed forwards are
+            then recomputed once for both, see :class:`~lightning_pipe.checkpoint.Recomputation`).
+        meter_parent: a meter that sums this stage's activation bytes with other stages'.
 
     Each forward of microbatch ``i`` starts from the random state ``rng.derive(step_seed, i,
     stage_index)`` when ``step_seed`` is set (the pipeline sets it every step), so dropout draws
@@ -52,16 +60,20 @@ class Stage:
     """
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, checkpoint: str = "never",
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"), split_backward: bool = False,
+                 meter_parent: Optional[ActivationMeter] = None) -> None:
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.checkpoint = checkpoint
         self.device = device
+        self.split_backward = split_backward
         self.step_seed: Optional[int] = None
         self.microbatch_index = 0  # of the forward running or last run
-        self.meter = ActivationMeter(module.parameters())
+        self.meter = ActivationMeter(module.parameters(), meter_parent)
+        self._skippable = any(isinstance(m, Skippable) for m in module.modules())
         self._pending: Dict[int, _Pending] = {}
+        self._weights: Dict[int, Tuple[WeightGradients, _Pending]] = {}  # after I, until W
 
     @property
     def is_first(self) -> bool:
@@ -80,6 +92,8 @@ class Stage:
         return self.module(*inputs)
 
     def _run(self, tracker: SkipTracker, *inputs):
+        if not self._skippable:  # nothing in this stage stashes or pops: no tracker to bind
+            return self._call(*inputs)
         with use_tracker(tracker):
             return self._call(*inputs)
 
@@ -97,23 +111,39 @@ class Stage:
         the backward starts from ``loss_fn(microbatch_index, outputs)`` instead of the outputs.
         """
         skips = skips or {}
-        self.microbatch_index = microbatch_index
-        if self.step_seed is not None:
-            rng.seed_torch(rng.derive(self.step_seed, microbatch_index, self.stage_index), self.device)
+        i = microbatch_index
+        self.microbatch_index = i
+        restore_rng = self._seed(i)
         tracker = SkipTracker(skips)
         keep_graph = torch.is_grad_enabled()
-        use_checkpoint = keep_graph and should_checkpoint(self.checkpoint, microbatch_index, num_microbatches)
+        use_checkpoint = keep_graph and should_checkpoint(self.checkpoint, i, num_microbatches)
         kept = [x for x in inputs if isinstance(x, torch.Tensor)] + list(skips.values())
-        with self.meter.record(microbatch_index, kept) if keep_graph else nullcontext():
-            if use_checkpoint:
+        recomputation = None
+        with self.meter.record(i, kept) if keep_graph else nullcontext():
+            if use_checkpoint and self.split_backward:
+                recomputation = Recomputation(
+                    lambda *args: self._run(tracker, *args), restore_rng,
+                    lambda tensors: self.meter.add(i, tensors),
+                )
+                outputs = recomputation.run(*inputs)
+            elif use_checkpoint:
                 outputs = checkpointed(self._run, tracker, *inputs)
             else:
                 outputs = self._run(tracker, *inputs)
             outputs = as_tuple(outputs)
-            loss = loss_fn(microbatch_index, outputs) if loss_fn is not None else None
+            loss = loss_fn(i, outputs) if loss_fn is not None else None
         roots = (loss,) if loss_fn is not None else outputs
-        self._pending[microbatch_index] = _Pending(tuple(inputs), roots, tracker, tuple(skips))
+        self._pending[i] = _Pending(tuple(inputs), roots, tracker, tuple(skips), recomputation)
         return outputs
+
+    def _seed(self, microbatch_index: int) -> Callable[[], None]:
+        """Seed this microbatch's forward; return what puts the generators back in that state."""
+        if self.step_seed is not None:
+            seed = rng.derive(self.step_seed, microbatch_index, self.stage_index)
+            rng.seed_torch(seed, self.device)
+            return lambda: rng.seed_torch(seed, self.device)
+        state = torch.get_rng_state()
+        return lambda: torch.set_rng_state(state)
 
     def outgoing_skips(self, microbatch_index: int, keys: Sequence[Key]) -> tuple:
         """The tensors this microbatch stashed under ``keys``, to send to a later stage."""
@@ -124,10 +154,23 @@ class Stage:
         tensors = self._pending[microbatch_index].tracker.tensors
         return [k for k in keys if needs_grad(tensors[k])]
 
+    def _roots(self, pending: _Pending, grads: Optional[tuple], skip_grads: Optional[Dict[Key, torch.Tensor]]):
+        """What the backward starts from, and the gradients given for it (None: the loss's ones)."""
+        tensors = [out for out in pending.roots if needs_grad(out)]
+        if grads is not None and len(grads) != len(tensors):
+            raise PipelineStepError(
+                f"stage {self.stage_index} got {len(grads)} gradients for {len(tensors)} outputs that require grad"
+            )
+        grad_tensors = list(grads) if grads is not None else [None] * len(tensors)
+        for key, grad in (skip_grads or {}).items():
+            tensors.append(pending.tracker.tensors[key])
+            grad_tensors.append(grad)
+        return tensors, grad_tensors
+
     def backward(
         self, microbatch_index: int, grads: Optional[tuple], skip_grads: Optional[Dict[Key, torch.Tensor]] = None
     ) -> Tuple[tuple, Dict[Key, torch.Tensor]]:
-        """Backpropagate one microbatch.
+        """Backpropagate one microbatch (``B``: input and weight gradients at once).
 
         Args:
             grads: gradients of the outputs that require grad (None on the last stage: the loss).
@@ -138,17 +181,9 @@ class Stage:
             received skip tensors that require grad (by key).
         """
         pending = self._pending.pop(microbatch_index)
-        tensors = [out for out in pending.roots if needs_grad(out)]
-        if grads is not None and len(grads) != len(tensors):
-            raise PipelineStepError(
-                f"stage {self.stage_index} got {len(grads)} gradients for {len(tensors)} outputs that require grad"
-            )
-        grad_tensors = list(grads) if grads is not None else [None] * len(tensors)
-        for key, grad in (skip_grads or {}).items():
-            tensors.append(pending.tracker.tensors[key])
-            grad_tensors.append(grad)
+        tensors, grad_tensors = self._roots(pending, grads, skip_grads)
         if tensors:
-            torch.autograd.backward(tensors, grad_tensors if any(g is not None for g in grad_tensors) else None)
+            _backward(tensors, grad_tensors)
         self.meter.release(microbatch_index)
         input_grads = tuple(_grad_of(x) for x in pending.inputs if needs_grad(x) and x.is_leaf)
         incoming = {}
@@ -158,11 +193,47 @@ class Stage:
                 incoming[key] = _grad_of(tensor)
         return input_grads, incoming
 
+    def backward_input(
+        self, microbatch_index: int, grads: Optional[tuple], skip_grads: Optional[Dict[Key, torch.Tensor]] = None
+    ) -> Tuple[tuple, Dict[Key, torch.Tensor]]:
+        """The first part of a split backward (``I``): gradients of the received inputs only.
+
+        Same arguments and results as :meth:`backward`; no ``.grad`` changes. What the weight
+        gradients need stays until :meth:`backward_weight`. On the first stage nothing waits for
+        input gradients, so the whole backward runs in ``W``.
+        """
+        pending = self._pending.pop(microbatch_index)
+        tensors, grad_tensors = self._roots(pending, grads, skip_grads)
+        received = pending.tracker.tensors
+        inputs = [] if self.is_first else [x for x in pending.inputs if needs_grad(x) and x.is_leaf]
+        keys = [k for k in pending.incoming if needs_grad(received[k]) and received[k].is_leaf]
+        targets = inputs + [received[k] for k in keys]
+        computed, weights = backward_input(tensors, grad_tensors, targets)
+        self._weights[microbatch_index] = (weights, pending)
+        computed = [g if g is not None else torch.zeros_like(x) for x, g in zip(targets, computed)]
+        return tuple(computed[: len(inputs)]), dict(zip(keys, computed[len(inputs):]))
+
+    def backward_weight(self, microbatch_index: int) -> None:
+        """The second part of a split backward (``W``): accumulate the weight gradients; free the microbatch."""
+        weights, pending = self._weights.pop(microbatch_index)
+        if pending.recomputation is not None:
+            pending.recomputation.on_recompute = None  # recomputed now, freed at once: not held, not counted
+        weights.run()
+        if pending.recomputation is not None:
+            pending.recomputation.release()
+        self.meter.release(microbatch_index)
+
     def clear(self) -> None:
         """Drop every pending microbatch (after a failed step)."""
-        for index in list(self._pending):
+        for index in list(self._pending) + list(self._weights):
             self.meter.release(index)
         self._pending.clear()
+        self._weights.clear()
+
+
+def _backward(tensors: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> None:
+    """``torch.autograd.backward(tensors, grads)`` without its checks (see :func:`run_backward`)."""
+    run_backward(tensors, [torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads)])
 
 
 def _grad_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ the copies never drift apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,8 @@ class Tie:
 
     Attributes:
         names: every name, the first being the one ``named_parameters()`` reports (canonical).
-        stages: the stages (pipeline ranks) that hold a copy, in increasing order.
+        stages: the pipeline ranks that hold a copy, in increasing order (a rank holding several
+            stages that use the parameter holds one copy, shared by those stages).
     """
 
     names: Tuple[str, ...]
@@ -68,13 +69,15 @@ class TiedGradients:
     of ``ties``, which every rank computes alike).
 
     Args:
-        ties: the model's ties (only those held by several stages need work).
-        module: this stage's module, holding its copies under the model's names.
-        stage_index: this stage.
+        ties: the model's ties (only those held by several ranks need work).
+        module: this rank's stage module, or its stage modules, holding the copies under the
+            model's names.
+        stage_index: this rank in the pipeline (its first stage's index under the placements
+            used here).
         group: the pipeline's process group (None: the world).
     """
 
-    def __init__(self, ties: Sequence[Tie], module: nn.Module, stage_index: int,
+    def __init__(self, ties: Sequence[Tie], module: Union[nn.Module, Sequence[nn.Module]], stage_index: int,
                  group: Optional[dist.ProcessGroup]) -> None:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         groups: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
@@ -110,13 +113,15 @@ class TiedGradients:
                 p.grad = grad
 
 
-def _local_parameter(module: nn.Module, tie: Tie) -> nn.Parameter:
-    for name in tie.names:
-        try:
-            return module.get_parameter(name)
-        except AttributeError:
-            continue
-    raise AssertionError(f"no name of the tie {tie.names} is in this stage's module")  # internal invariant
+def _local_parameter(module: Union[nn.Module, Sequence[nn.Module]], tie: Tie) -> nn.Parameter:
+    modules = [module] if isinstance(module, nn.Module) else list(module)
+    for part in modules:
+        for name in tie.names:
+            try:
+                return part.get_parameter(name)
+            except AttributeError:
+                continue
+    raise AssertionError(f"no name of the tie {tie.names} is in this rank's modules")  # internal invariant
 
 
 def sum_step_gradients(ties: TiedGradients, step: Callable[[], object]) -> object:

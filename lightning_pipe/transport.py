@@ -1,4 +1,4 @@
-"""Point-to-point transport of activations and gradients between neighbouring stages.
+"""Point-to-point transport of activations and gradients between stages on different ranks.
 
 Messages are tuples of tensors. Their shapes, dtypes and ``requires_grad`` flags ("meta") are
 exchanged only when they may have changed: each step starts with one small header that stage 0
@@ -8,19 +8,24 @@ microbatch (so the steady state moves only data); if so, each activation message
 its meta for that step (so variable sequence lengths work). Gradients never need a meta: they
 have the shapes of the activations this stage sent.
 
-Per link, direction and tag, messages are matched in FIFO order, which the schedule validator
-proves both ends follow. On gloo, receives are posted ahead of need; on NCCL, where a pair's operations
-share one stream, the communication of consecutive actions is issued as one
-``batch_isend_irecv`` group instead (as Megatron does), so opposite sends cannot block each other.
+A message is named by its tag, the sending and receiving stages and the microbatch; a stage's
+rank comes from the schedule's placement (``stage_ranks``), so a rank may hold several stages.
+Per link (pair of ranks), direction and tag, messages are matched in FIFO order whichever stages
+they belong to, which the schedule validator proves both ends follow. On gloo, receives are posted ahead of need, and operations go straight to the process group's
+``send``/``recv`` (``dist.isend`` adds ~15 µs of checks per call, which an overhead-bound
+pipeline feels); on NCCL, where a pair's operations share one stream, the communication of
+consecutive actions is issued as one ``batch_isend_irecv`` group instead (as Megatron does), so
+opposite sends cannot block each other.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.arrivals import Arrival, Arrivals
 from lightning_pipe.errors import PipelineStepError
 from lightning_pipe.faults import ErrorChannel
 
@@ -58,16 +63,43 @@ def decode_meta(codes: Sequence[int]) -> List[Tuple[torch.dtype, bool, Tuple[int
     return out
 
 
+class _Op(NamedTuple):
+    """One point-to-point operation: a lighter ``dist.P2POp`` (which is built only for NCCL groups)."""
+
+    is_send: bool
+    tensor: torch.Tensor
+    peer: int  # the peer's rank in the group
+    tag: int
+
+
+class _Works:
+    """Several works waited as one (one hand-off to the error channel's helper thread for all)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
 class PendingRecv:
     """Buffers being received for one message, and the works that fill them."""
 
-    __slots__ = ("buffers", "ops", "works", "requires_grad")
+    __slots__ = ("buffers", "ops", "works", "requires_grad", "arrival")
 
     def __init__(self, buffers: List[torch.Tensor], ops: list, requires_grad: List[bool]) -> None:
         self.buffers = buffers
         self.ops = ops
         self.works: list = []
         self.requires_grad = requires_grad
+        self.arrival: Optional[Arrival] = None  # gloo: waited for by the link's helper thread
 
 
 # Message tags: one FIFO stream per kind of message and direction on each link. gloo matches a
@@ -77,27 +109,33 @@ _DATA_OF_GRADIENT = {GRADIENTS: ACTIVATIONS, SKIP_GRADIENTS: SKIPS}
 
 
 class Transport:
-    """Sends and receives one stage's messages over ``group``.
+    """Sends and receives one rank's messages over ``group``.
 
     A message is identified by its tag (``ACTIVATIONS``, ``GRADIENTS``, ``SKIPS``,
-    ``SKIP_GRADIENTS``), the peer stage and the microbatch.
+    ``SKIP_GRADIENTS``), the local stage, the peer stage and the microbatch.
 
     Args:
-        group: the pipeline's process group; group rank ``s`` runs stage ``s``.
-        stage_index: the local stage.
-        num_stages: the number of stages.
+        group: the pipeline's process group.
+        pp_rank: this rank in ``group``.
+        num_ranks: the size of ``group``.
         device: where received tensors are allocated.
         errors: the pipeline's error channel, used while waiting.
+        stage_ranks: the group rank of each stage (default: stage ``s`` on rank ``s``).
     """
 
-    def __init__(self, group, stage_index: int, num_stages: int, device: torch.device, errors: ErrorChannel) -> None:
+    def __init__(self, group, pp_rank: int, num_ranks: int, device: torch.device, errors: ErrorChannel,
+                 stage_ranks: Optional[Sequence[int]] = None) -> None:
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
-        self.stage_index = stage_index
-        self.num_stages = num_stages
+        self.pp_rank = pp_rank
+        self.num_ranks = num_ranks
+        self.stage_ranks = tuple(stage_ranks) if stage_ranks is not None else tuple(range(num_ranks))
+        self._global = list(self.ranks)  # global rank of each group rank (for NCCL's P2POp)
+        self._process_group = group if group is not None else dist.group.WORLD
         self.device = device
         self.errors = errors
         self.batched = dist.get_backend(group) == "nccl"
+        self.arrivals = None if self.batched else Arrivals(errors)
         self.fresh = True  # whether this step's data messages carry their meta
         self._recv_meta: Dict[tuple, List] = {}
         self._sent_meta: Dict[tuple, Tuple[int, ...]] = {}
@@ -105,15 +143,15 @@ class Transport:
 
     # -- step header ---------------------------------------------------------------------------
     def exchange_header(self, header: Optional[List[int]], length: int) -> List[int]:
-        """Stage 0 passes its header; other stages receive it. Every stage forwards it on."""
-        if self.stage_index > 0:
+        """Rank 0 passes its header; other ranks receive it. Every rank forwards it on."""
+        if self.pp_rank > 0:
             buffer = torch.empty(length, dtype=torch.int64, device=self.device)
-            work = dist.irecv(buffer, self.ranks[self.stage_index - 1], group=self.group, tag=HEADER)
-            self.errors.wait(work, f"the step header from stage {self.stage_index - 1}")
+            work = dist.irecv(buffer, self.ranks[self.pp_rank - 1], group=self.group, tag=HEADER)
+            self.errors.wait(work, f"the step header from pp rank {self.pp_rank - 1}")
             header = buffer.tolist()
-        if self.stage_index < self.num_stages - 1:
+        if self.pp_rank < self.num_ranks - 1:
             tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
-            self._sends.append((dist.isend(tensor, self.ranks[self.stage_index + 1], group=self.group, tag=HEADER), tensor))
+            self._sends.append((dist.isend(tensor, self.ranks[self.pp_rank + 1], group=self.group, tag=HEADER), tensor))
         self.fresh = bool(header[1])
         if self.fresh:
             self._recv_meta.clear()
@@ -121,52 +159,54 @@ class Transport:
         return header
 
     # -- data (activations and skip tensors) -----------------------------------------------------
-    def send(self, tag: int, peer: int, microbatch_index: int, tensors: Sequence[torch.Tensor]) -> list:
-        """The ops that send data tensors of one microbatch to stage ``peer``."""
+    def send(self, tag: int, stage: int, peer: int, microbatch_index: int, tensors: Sequence[torch.Tensor]) -> list:
+        """The ops that send data tensors of one microbatch from ``stage`` to stage ``peer``."""
+        rank = self.stage_ranks[peer]
         if tag in _DATA_OF_GRADIENT:
-            return [dist.P2POp(dist.isend, t.contiguous(), self.ranks[peer], self.group, tag) for t in tensors]
+            return [_Op(True, t.contiguous(), rank, tag) for t in tensors]
         meta = encode_meta(tensors)
-        key = (tag, peer, microbatch_index)
+        key = (tag, stage, peer, microbatch_index)
         ops = []
         if self.fresh:
             meta_tensor = torch.zeros(META_SIZE, dtype=torch.int64, device=self.device)
             meta_tensor[: len(meta)] = torch.tensor(meta, dtype=torch.int64)
-            ops.append(dist.P2POp(dist.isend, meta_tensor, self.ranks[peer], self.group, tag))
+            ops.append(_Op(True, meta_tensor, rank, tag))
         elif self._sent_meta.get(key) != meta:
             raise PipelineStepError(
-                f"stage {self.stage_index} sends microbatch {microbatch_index} to stage {peer} with meta {meta}, "
+                f"stage {stage} sends microbatch {microbatch_index} to stage {peer} with meta {meta}, "
                 f"not {self._sent_meta.get(key)} as in the previous step, although stage 0's inputs kept theirs; "
                 "what a stage sends must depend only on the shapes of the pipeline's inputs"
             )
         self._sent_meta[key] = meta
-        ops.extend(dist.P2POp(dist.isend, t.detach().contiguous(), self.ranks[peer], self.group, tag) for t in tensors)
+        ops.extend(_Op(True, t.detach().contiguous(), rank, tag) for t in tensors)
         return ops
 
-    def recv(self, tag: int, peer: int, microbatch_index: int) -> PendingRecv:
-        """Prepare to receive one message (waits for its meta on a fresh step)."""
+    def recv(self, tag: int, stage: int, peer: int, microbatch_index: int) -> PendingRecv:
+        """Prepare to receive one message for ``stage`` from stage ``peer`` (waits for its meta on a fresh step)."""
+        rank = self.stage_ranks[peer]
         if tag in _DATA_OF_GRADIENT:
             # gradients of what this stage sent: the shapes are known, only those requiring grad come
-            meta = decode_meta(self._sent_meta[(_DATA_OF_GRADIENT[tag], peer, microbatch_index)])
+            meta = decode_meta(self._sent_meta[(_DATA_OF_GRADIENT[tag], stage, peer, microbatch_index)])
             meta = [(dtype, False, shape) for dtype, requires_grad, shape in meta if requires_grad]
         else:
-            key = (tag, peer, microbatch_index)
+            key = (tag, stage, peer, microbatch_index)
             if self.fresh and key not in self._recv_meta:
                 meta_tensor = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
-                work = dist.irecv(meta_tensor, self.ranks[peer], group=self.group, tag=tag)
+                work = self._process_group.recv([meta_tensor], rank, tag)
                 self.errors.wait(work, f"the meta of microbatch {microbatch_index} from stage {peer}")
                 self._recv_meta[key] = decode_meta(meta_tensor.tolist())
             meta = self._recv_meta[key]
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
-        ops = [dist.P2POp(dist.irecv, b, self.ranks[peer], self.group, tag) for b in buffers]
+        ops = [_Op(False, b, rank, tag) for b in buffers]
         return PendingRecv(buffers, ops, [rg for _, rg, _ in meta])
 
-    def can_post(self, tag: int, peer: int, microbatch_index: int) -> bool:
+    def can_post(self, tag: int, stage: int, peer: int, microbatch_index: int) -> bool:
         """Whether a receive can be posted now, ahead of need (never on NCCL)."""
         if self.batched:
             return False
         if tag in _DATA_OF_GRADIENT:
-            return (_DATA_OF_GRADIENT[tag], peer, microbatch_index) in self._sent_meta
-        return not self.fresh and (tag, peer, microbatch_index) in self._recv_meta
+            return (_DATA_OF_GRADIENT[tag], stage, peer, microbatch_index) in self._sent_meta
+        return not self.fresh and (tag, stage, peer, microbatch_index) in self._recv_meta
 
     # -- issuing and waiting -------------------------------------------------------------------
     def issue(self, ops: list, pending: Sequence[PendingRecv] = ()) -> None:
@@ -174,25 +214,35 @@ class Transport:
         if not ops:
             return
         if self.batched:
-            works = dist.batch_isend_irecv(ops)
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, self._global[op.peer], self.group, op.tag)
+                for op in ops
+            ])
         else:
-            works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
-        by_tensor = {id(op.tensor): w for op, w in zip(ops, works)}
-        for recv in pending:
-            recv.works = [by_tensor[id(b)] for b in recv.buffers]
+            group = self._process_group
+            works = [group.send([op.tensor], op.peer, op.tag) if op.is_send else group.recv([op.tensor], op.peer, op.tag)
+                     for op in ops]
+        if pending:
+            by_tensor = {id(op.tensor): w for op, w in zip(ops, works)}
+            for recv in pending:
+                recv.works = [by_tensor[id(b)] for b in recv.buffers]
+                if self.arrivals is not None and recv.works:
+                    recv.arrival = self.arrivals.watch((recv.ops[0].peer, recv.ops[0].tag), recv.works)
         for op, work in zip(ops, works):
-            if op.op is dist.isend:
+            if op.is_send:
                 # kept until the step ends: a gloo Work only learns it completed inside wait()
                 self._sends.append((work, op.tensor))
 
     def take(self, recv: PendingRecv, what: str) -> tuple:
         """Wait for a receive and return its tensors (floating ones requiring grad as sent)."""
-        for work in recv.works:
-            self.errors.wait(work, what)
+        if recv.arrival is not None:
+            self.arrivals.take(recv.arrival, what)
+        elif recv.works:
+            self.errors.wait(recv.works[0] if len(recv.works) == 1 else _Works(recv.works), what)
         return tuple(b.requires_grad_(True) if rg else b for b, rg in zip(recv.buffers, recv.requires_grad))
 
     def finish(self) -> None:
         """Wait until every send of the step has left."""
-        for work, _ in self._sends:
-            self.errors.wait(work, "a send to finish")
+        if self._sends:
+            self.errors.wait(_Works([work for work, _ in self._sends]), "the step's sends to finish")
         self._sends.clear()

@@ -12,7 +12,8 @@ from lightning_pipe.schedule.simulate import SimulationResult, simulate
 from lightning_pipe.schedule.validate import validate
 from lightning_pipe.schedule.zero_bubble import zb_h1, zbv
 
-# the schedules the executor runs today; ALL_SCHEDULES holds every schedule that can be generated
+# the one-stage-per-rank schedules with a whole backward, (num_stages, num_microbatches) -> table;
+# the executor runs every schedule in ALL_SCHEDULES (see lightning_pipe.Pipeline)
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 __all__ = [

@@ -1,0 +1,74 @@
+"""Replica sync overlapped with the backward: exactly the average taken after the step.
+
+pp = 2 stages x dp = 2 replicas on 4 processes. Each replica trains on its own data; a pipeline
+with ``dp_group`` averages gradients while its last backwards run, its twin (same weights, no
+``dp_group``) runs the same steps and averages afterwards with ``gradients.average``. Gradients
+must be equal bit for bit, after a step that only accumulates (``sync_replicas=False``) and one
+that syncs, for every schedule, with a tie across ranks (1F1B) and within one rank (ZB-V).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe import Pipeline, make_subgroups, partition
+from lightning_pipe.gradients import average
+from lightning_pipe.schedule import ALL_SCHEDULES
+from tests import distributed
+from tests.test_schedules_engine import MODELS, _batch
+
+
+def _unique(parts) -> list:
+    return list({id(p): p for part in parts for p in part.parameters()}.values())
+
+
+def _parts(full, pp_rank: int, schedule: str, v):
+    spec = ALL_SCHEDULES[schedule]
+    return partition(full, pp_rank, 2, num_model_chunks=spec.virtual_stages(v), placement=spec.placement)
+
+
+def _case(pp_rank: int, dp_rank: int, pp_group, dp_group, model: str, schedule: str, v, m: int) -> int:
+    build, criterion, _ = MODELS[model]
+    full = build()
+    twin = copy.deepcopy(full)
+    parts, twin_parts = _parts(full, pp_rank, schedule, v), _parts(twin, pp_rank, schedule, v)
+    pipe = Pipeline(parts, chunks=m, process_group=pp_group, schedule=schedule, virtual_stages=v, dp_group=dp_group)
+    pipe.replicas.bucket_bytes = 400  # several buckets even for these small stages
+    reference = Pipeline(twin_parts, chunks=m, process_group=pp_group, schedule=schedule, virtual_stages=v)
+    params, twin_params = _unique(parts), _unique(twin_parts)
+    opt, twin_opt = torch.optim.SGD(params, lr=0.1), torch.optim.SGD(twin_params, lr=0.1)
+    gen = torch.Generator().manual_seed(10 + dp_rank)  # replicas see different data
+    early = 0
+    for step, sync in enumerate((False, True, True)):
+        x, y = _batch(model, 2 * m, gen)
+        pipe.forward_backward(x, criterion=criterion, labels=(y,), sync_replicas=sync)
+        early += pipe.replicas.started_early if sync else 0
+        reference.forward_backward(x, criterion=criterion, labels=(y,))
+        if sync:
+            average(twin_params, dp_group, 2)
+        for name, (a, b) in enumerate(zip(params, twin_params)):
+            assert torch.equal(a.grad, b.grad), f"{model} {schedule} step {step}: parameter {name} differs"
+        if sync:
+            opt.step(), twin_opt.step()
+            opt.zero_grad(), twin_opt.zero_grad()
+    pipe.replicas.close()
+    return early
+
+
+def _grid(rank: int, world: int, cases) -> list:
+    dp_group, pp_group = make_subgroups(2, 2)
+    pp_rank, dp_rank = dist.get_rank(pp_group), dist.get_rank(dp_group)
+    return [_case(pp_rank, dp_rank, pp_group, dp_group, *case) for case in cases]
+
+
+def test_overlapped_replica_sync_equals_the_average_after_the_step():
+    cases = [("mlp", s, v, 4) for s, v in (("gpipe", None), ("1f1b", None), ("zb_h1", None), ("zbv", None),
+                                            ("interleaved_1f1b", 2))]
+    cases += [("tied", "1f1b", None, 3), ("tied", "zbv", None, 3)]
+    early = distributed.run(_grid, 4, cases, timeout=240)
+    for rank, counts in enumerate(early):
+        for case, count in zip(cases, counts):
+            assert count > 0, f"rank {rank}, {case}: no bucket started before the step's end"

@@ -1,0 +1,245 @@
+"""Interleaved 1F1B, ZB-H1 and ZB-V run by the engine, against the same model in one process.
+
+Loss, outputs, every gradient and the weights after 3 optimizer steps, over p in {1, 2, 3, 4}
+ranks, m in {p, 2p, 2p + 1} microbatches, v in {2, 3} stages per rank where the schedule takes v,
+and every checkpoint mode; with skip connections (some between stages on one rank), tied weights
+(held by one rank twice under ZB-V, by two ranks otherwise) and deferred BatchNorm. Cases are
+grouped so that each test starts its processes once.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import (
+    ConfigurationError, Interleaved1F1B, PartitionError, Pipeline, ZeroBubbleH1, ZeroBubbleV, partition,
+)
+from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from lightning_pipe.partition import balance_by_layers
+from lightning_pipe.schedule import ALL_SCHEDULES
+from tests import distributed
+from tests.models import mlp, resnet, unet
+from tests.test_ties_and_rng import tied_lm
+
+MODES = ("never", "except_last", "always")
+NEW = (("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", None), ("zbv", None))
+
+
+class Case(NamedTuple):
+    model: str  # "mlp", "unet", "tied", "resnet"
+    schedule: str
+    virtual_stages: Optional[int]
+    chunks: int
+    checkpoint: str = "never"
+    batch: int = 10
+    api: str = "pipeline"  # or "named": Interleaved1F1B / ZeroBubbleH1 / ZeroBubbleV
+
+
+def _cross_entropy(logits, targets):
+    return nn.functional.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1))
+
+
+MODELS = {  # builder, criterion, deferred BatchNorm
+    "mlp": (lambda: mlp(num_layers=8), nn.functional.mse_loss, False),
+    "unet": (unet, nn.functional.mse_loss, False),
+    "tied": (lambda: tied_lm(depth=6), _cross_entropy, False),
+    "resnet": (lambda: resnet(depth=7), nn.functional.mse_loss, True),
+}
+
+
+def _batch(model: str, batch: int, gen: torch.Generator):
+    if model == "tied":
+        return torch.randint(0, 7, (batch, 5), generator=gen), torch.randint(0, 7, (batch, 5), generator=gen)
+    return torch.randn(batch, 6, generator=gen, dtype=torch.float64), torch.randn(batch, 6, generator=gen, dtype=torch.float64)
+
+
+def _reference_step(model, criterion, x, y, chunks):
+    """The plain model on the same microbatches in sequence (BatchNorm sees each one)."""
+    n = min(chunks, len(x))
+    loss, outputs = 0.0, []
+    for px, py in zip(torch.tensor_split(x, n), torch.tensor_split(y, n)):
+        out = model(px)
+        part = criterion(out, py) * (len(px) / len(x))
+        part.backward()
+        loss = loss + part.detach()
+        outputs.append(out.detach())
+    return loss, torch.cat(outputs)
+
+
+def _pipeline(case: Case, parts, world: int):
+    spec = ALL_SCHEDULES[case.schedule]
+    deferred = MODELS[case.model][2]
+    if case.api == "named":
+        named = {"interleaved_1f1b": Interleaved1F1B, "zb_h1": ZeroBubbleH1, "zbv": ZeroBubbleV}[case.schedule]
+        return named(parts if spec.stages_per_rank != 1 else parts[0], chunks=case.chunks,
+                     checkpoint=case.checkpoint, deferred_batch_norm=deferred)
+    return Pipeline(parts, chunks=case.chunks, schedule=case.schedule, checkpoint=case.checkpoint,
+                    virtual_stages=case.virtual_stages, deferred_batch_norm=deferred)
+
+
+def _compare(rank: int, world: int, case: Case) -> None:
+    build, criterion, deferred = MODELS[case.model]
+    full = build()
+    reference = copy.deepcopy(full)
+    if deferred:
+        reference = DeferredBatchNorm.convert_deferred_batch_norm(reference)
+    spec = ALL_SCHEDULES[case.schedule]
+    v = spec.virtual_stages(case.virtual_stages)
+    balance = balance_by_layers(len(full), world * v)
+    parts = partition(full, rank, world, balance, num_model_chunks=v, placement=spec.placement)
+    pipe = _pipeline(case, parts, world)
+    params = list({id(p): p for part in parts for p in part.parameters()}.values())
+    opt = torch.optim.SGD(params, lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        x, y = _batch(case.model, case.batch, gen)
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        ref_loss, ref_out = _reference_step(reference, criterion, x, y, case.chunks)
+        commit_deferred_batch_norm(reference)
+        loss, out = pipe.forward_backward(x, criterion=criterion, labels=(y,), return_outputs=True)
+        if pipe.holds_last:
+            torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{case} loss, step {step}: {m}")
+            torch.testing.assert_close(out, ref_out, msg=lambda m: f"{case} outputs, step {step}: {m}")
+        else:
+            assert loss is None and out is None
+        ref_params = dict(reference.named_parameters(remove_duplicate=False))
+        for part in parts:
+            for name, p in part.named_parameters():
+                torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{case} {name}, step {step}: {m}")
+        opt.step()
+        ref_opt.step()
+    expected = reference.state_dict()
+    for part in parts:
+        for name, value in part.state_dict().items():
+            torch.testing.assert_close(value, expected[name], msg=lambda m: f"{case} {name}: {m}")
+    assert pipe.meter.held_bytes == 0, f"{case}: {pipe.meter.held_bytes} activation bytes held after the step"
+    for part in parts:
+        part.eval()
+    reference.eval()
+    with torch.no_grad():
+        x, _ = _batch(case.model, 4, gen)
+        out = pipe.forward(x)
+        if pipe.holds_last:
+            torch.testing.assert_close(out, reference(x), msg=lambda m: f"{case} eval: {m}")
+
+
+def _grid(rank: int, world: int, cases) -> int:
+    for case in cases:
+        _compare(rank, world, case)
+    return len(cases)
+
+
+def _mlp_cases(p: int) -> list:
+    cases = []
+    for schedule, v in NEW:
+        if schedule == "interleaved_1f1b" and v == 3 and p > 2:
+            continue  # 16 layers: 12 stages at most keep every stage non-empty
+        for k, m in enumerate((p, 2 * p, 2 * p + 1)):
+            cases.append(Case("mlp", schedule, v, m, MODES[k]))
+    return cases
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_new_schedules_match_one_process(p):
+    """Every new schedule, m in {p, 2p, 2p+1}, each with another checkpoint mode."""
+    cases = _mlp_cases(p)
+    if p == 2:  # every checkpoint mode with every m, and the named classes
+        cases += [Case("mlp", s, v, m, c) for s, v in NEW for m in (2, 5) for c in MODES if (m, c) != (2, "never")]
+        cases += [Case("mlp", s, v, 4, api="named") for s, v in NEW if v != 3]
+        cases.append(Case("mlp", "zbv", None, 8, batch=3))  # fewer samples than microbatches
+    distributed.run(_grid, p, cases, timeout=300)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_skips_ties_and_batch_norm_on_new_schedules(p):
+    """Skips crossing ranks and staying on one rank, a tie held twice by one rank or by two ranks,
+    deferred BatchNorm; every checkpoint mode."""
+    cases = []
+    for schedule, v in NEW:
+        if v == 3 and p == 4:
+            continue  # unet has 8 layers
+        for k, model in enumerate(("unet", "tied", "resnet")):
+            cases.append(Case(model, schedule, v, 2 * p + 1, MODES[(k + p) % 3], batch=4 * p + 2))
+    distributed.run(_grid, p, cases, timeout=300)
+
+
+# -- bad combinations, named on every rank before any communication ------------------------------
+def _bad(rank: int, world: int) -> list:
+    errors = []
+    model = mlp(num_layers=2)  # 4 layers
+    attempts = [
+        lambda: partition(model, rank, world, num_model_chunks=3),  # 12 stages, 4 layers
+        lambda: partition(model, rank, world, num_model_chunks=3, placement="v"),
+        lambda: Pipeline(partition(model, rank, world), chunks=2, schedule="interleaved_1f1b"),
+        lambda: Pipeline(partition(model, rank, world), chunks=2, schedule="zbv"),
+        lambda: Pipeline(partition(model, rank, world, num_model_chunks=2), chunks=2, schedule="zb_h1"),
+        lambda: Pipeline(partition(model, rank, world, num_model_chunks=2), chunks=2, schedule="interleaved_1f1b",
+                         virtual_stages=3),
+        lambda: Pipeline(partition(model, rank, world), chunks=2, schedule="zb_h2"),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+        except ConfigurationError as error:
+            errors.append((type(error).__name__, str(error)))
+        else:
+            errors.append(None)
+    return errors
+
+
+def test_bad_combinations_are_named_on_every_rank_before_any_communication():
+    per_rank = distributed.run(_bad, 2, timeout=60)
+    assert per_rank[0] == per_rank[1]
+    (chunks, v_chunks, interleaved, zbv, h1, mismatch, unknown) = per_rank[0]
+    assert chunks[0] == PartitionError.__name__ and "cannot split 4 layers into 6 stages" in chunks[1]
+    assert "2 stages on each rank" in v_chunks[1] and "placement='v'" in v_chunks[1]
+    assert "needs virtual_stages" in interleaved[1]
+    assert "runs 2 stages per rank, but this rank was given 1 module" in zbv[1]
+    assert "placement='v'" in zbv[1]
+    assert "runs 1 stage per rank, but this rank was given 2 modules" in h1[1]
+    assert "runs 3 stages per rank, but this rank was given 2 modules" in mismatch[1]
+    assert "schedule must be one of" in unknown[1]
+
+
+# -- tracing: the recorder sees every action, I and W included -----------------------------------
+def _traced(rank: int, world: int, out: str) -> dict:
+    import os
+
+    from lightning_pipe.schedule import make_table
+
+    seen = {}
+    for schedule, v in NEW[1:]:
+        spec = ALL_SCHEDULES[schedule]
+        parts = partition(mlp(num_layers=6), rank, world, num_model_chunks=spec.virtual_stages(v),
+                          placement=spec.placement)
+        pipe = Pipeline(parts, chunks=4, schedule=schedule, virtual_stages=v)
+        recorder = pipe.trace_steps()
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+        for _ in range(2):
+            pipe.forward_backward(x, criterion=nn.functional.mse_loss, labels=(y,))
+        plan = [str(a) for a in make_table(schedule, world, 4, v)[rank]]
+        row = pipe._row(schedule, 4)
+        receives = sum(1 for a in row if a.is_recv)
+        for record in recorder.records:
+            assert [str(a) for a, _, _ in record.compute] == plan, (schedule, rank, record.step)
+            assert len(record.waits) == receives, (schedule, rank, len(record.waits), receives)
+        path = pipe.export_trace(os.path.join(out, f"{schedule}.json"))
+        png = pipe.save_timeline_png(os.path.join(out, f"{schedule}.png"))
+        seen[schedule] = (sorted({a.kind for a, _, _ in recorder.records[0].compute}), path, png)
+    return seen
+
+
+def test_the_recorder_sees_input_and_weight_gradient_actions(tmp_path):
+    per_rank = distributed.run(_traced, 2, str(tmp_path), timeout=120)
+    assert per_rank[0]["zb_h1"][0] == per_rank[0]["zbv"][0] == ["F", "I", "W"]
+    assert per_rank[1]["interleaved_1f1b"][0] == ["B", "F"]
+    for schedule, (_, path, png) in per_rank[0].items():
+        assert path.endswith(f"{schedule}.json") and png.endswith(f"{schedule}.png")
+        assert (tmp_path / f"{schedule}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

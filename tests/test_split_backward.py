@@ -1,0 +1,112 @@
+"""The backward split in two (I: input gradients, W: weight gradients) equals one backward, for any module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.checkpoint import Recomputation
+from lightning_pipe.split_backward import backward_input
+
+
+class Albert(nn.Module):
+    """One layer applied three times: a parameter at several depths of the input path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.out = nn.Linear(5, 5), nn.Linear(5, 5)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = torch.tanh(self.layer(x))
+        return self.out(x)
+
+
+class LossWithPenalty(nn.Module):
+    """A root whose node mixes the input path and a term of parameters only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.scale = nn.Linear(5, 5), nn.Parameter(torch.randn(5))
+
+    def forward(self, x):
+        return ((self.layer(x) - 1) ** 2).mean() + (self.scale ** 2).sum()
+
+
+class ManyOutputs(nn.Module):
+    """Two inputs, BatchNorm, a multi-output op (chunk), a root that is a parameter's function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.bn = nn.Linear(5, 6), nn.Linear(3, 5), nn.BatchNorm1d(6)
+
+    def forward(self, x, y):
+        h = self.bn(self.a(x))
+        left, right = h.chunk(2, dim=1)
+        mixed = left * torch.sigmoid(right) * y[:, :3]
+        return mixed, self.b(mixed).relu(), self.b.weight * 2
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.embedding = nn.LSTM(5, 5, batch_first=True), nn.Embedding(7, 5)
+
+    def forward(self, x, index):
+        out, _ = self.lstm(x.view(3, 1, 5) + self.embedding(index).view(3, 1, 5))
+        return out.reshape(3, 5), x  # the second output is the input itself
+
+
+def _mlp():
+    return nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(5, 5), nn.Tanh())])
+
+
+def _float(rg=True):
+    return torch.randn(3, 5, dtype=torch.double, requires_grad=rg)
+
+
+CASES = {  # module, inputs, which outputs are roots
+    "mlp": (_mlp, lambda: [_float()], slice(None)),
+    "first stage (inputs need no gradient)": (_mlp, lambda: [_float(False)], slice(None)),
+    "albert": (Albert, lambda: [_float()], slice(None)),
+    "loss with penalty": (LossWithPenalty, lambda: [_float()], slice(None)),
+    "many outputs": (ManyOutputs, lambda: [_float(), _float()], slice(None)),
+    "an input that needs no gradient": (ManyOutputs, lambda: [_float(), _float(False)], slice(0, 2)),
+    "lstm, embedding, identity output": (Recurrent, lambda: [_float(), torch.randint(0, 7, (3,))], slice(None)),
+}
+
+
+def _as_list(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_input_then_weight_gradients_equal_one_backward(name, checkpoint):
+    build, make_inputs, which = CASES[name]
+    torch.manual_seed(1)
+    module = build().double()
+    inputs = make_inputs()
+    roots = _as_list(module(*inputs))[which]
+    grads = [torch.randn_like(r) if r.numel() > 1 else None for r in roots]
+    torch.autograd.backward(roots, [g if g is not None else torch.ones_like(r) for g, r in zip(grads, roots)])
+    expected = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    expected_inputs = [x.grad for x in inputs if x.requires_grad]
+    module.zero_grad(set_to_none=True)
+
+    leaves = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+    recomputation = Recomputation(lambda *a: module(*a), lambda: torch.manual_seed(1)) if checkpoint else None
+    outputs = recomputation.run(*leaves) if checkpoint else module(*leaves)
+    wanted = [x for x in leaves if x.requires_grad]
+    input_grads, weights = backward_input(_as_list(outputs)[which], grads, wanted)
+    assert all(p.grad is None for p in module.parameters()), "I touched a weight gradient"
+    weights.run()
+    for got, want in zip(input_grads, expected_inputs):
+        torch.testing.assert_close(got, want)
+    got = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys()
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], msg=lambda m: f"{name}: {n}: {m}")
+    if checkpoint:
+        assert recomputation.recomputed == 1
