@@ -131,12 +131,16 @@ def make_strategy(args):
 
 
 def _tensorboard_scalars(folder: str) -> dict:
-    """Every scalar the TensorBoard logger wrote: {tag: [(step, value), ...]}."""
+    """Every scalar the TensorBoard logger wrote: {tag: [(step, value), ...]} in step order.
+
+    A folder written by fit, validate and test holds several event files whose names order them
+    only to the second: read them all, drop nothing (no purging of "orphaned" steps), sort by step.
+    """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(folder)
+    events = EventAccumulator(folder, purge_orphaned_data=False)
     events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {tag: sorted((e.step, e.value) for e in events.Scalars(tag)) for tag in events.Tags()["scalars"]}
 
 
 def main(argv=None):

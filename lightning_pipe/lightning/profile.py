@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.lightning.body import set_submodule
@@ -97,11 +98,17 @@ def layer_costs(kind: str, module: nn.Module, path: str, body: nn.Module, batch:
     with torch.random.fork_rng(devices=[]):
         try:
             args, kwargs = body_input(module, path, body, batch)
+            if kind == "flops":  # counted on meta: the blocks' bound extra arguments (a mask, rotary tables) too
+                args, kwargs = tree_map(_on_meta, (args, kwargs))
             layers, sample = as_sequential(body, args, kwargs)
             return [float(c) for c in MEASURES[kind](layers, sample)]
         finally:
             random.setstate(states[0])
             _set_numpy_state(states[1])
+
+
+def _on_meta(value: Any) -> Any:
+    return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
 
 
 def _numpy_state() -> Any:
