@@ -35,7 +35,7 @@ from lightning_pipe.sharded import (
 )
 from lightning_pipe.lightning.strategy import PipeStrategy
 from lightning_pipe.lightning.tracing import PipelineTrace
-from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f1b", "pipe_gpipe"
+from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f1b", "pipe_gpipe", "pipe_zb_h1"
 
 __version__ = "0.1.0"
 

@@ -30,7 +30,7 @@ LM_LAUNCHES = {
         _spec("paramfree", "paramfree", "ddp", 1),
     ],
     "world2": [
-        _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe", trace=[2, 2]), _spec("gpt2_p2", "gpt2", "pipe", 2),
+        _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe", trace=[2, 2]), _spec("gpt2_p2", "gpt2", "pipe", 2, schedule="zb_h1"),
         _spec("sum_p2", "sum", "pipe", 2, schedule="gpipe"),
         _spec("denoise_p2", "denoise", "pipe", 2, schedule="gpipe", epochs=NOISE_EPOCHS),
         _spec("diffusion_p2", "diffusion", "pipe", 2), _spec("mixup_p2", "mixup", "pipe", 2, schedule="gpipe"),
@@ -41,14 +41,14 @@ LM_LAUNCHES = {
         _spec("unbalanced_parameters", "unbalanced", "pipe", 2, steps=1),
     ],
     "world3": [
-        _spec("llama_p3", "llama", "pipe", 3, trace=[3, 1]), _spec("albert_p3", "albert", "pipe", 3, clip=0.5),
+        _spec("llama_p3", "llama", "pipe", 3, trace=[3, 1]), _spec("albert_p3", "albert", "pipe", 3, schedule="zb_h1", clip=0.5),
         _spec("tied_seq_p3", "tied_seq", "pipe", 3, schedule="gpipe", clip=0.5),
-        _spec("denoise_p3", "denoise", "pipe", 3, epochs=NOISE_EPOCHS),
+        _spec("denoise_p3", "denoise", "pipe", 3, schedule="zb_h1", epochs=NOISE_EPOCHS),
     ],
     "world4": [
-        _spec("llama_p4", "llama", "pipe", 4, checkpoint="always", microbatches=4),
+        _spec("llama_p4", "llama", "pipe", 4, schedule="zb_h1", checkpoint="always", microbatches=4),
         _spec("gpt2_p4", "gpt2", "pipe", 4, schedule="gpipe", microbatches=4),
-        _spec("llama_2x2", "llama", "pipe", 4, pipe_size=2),
+        _spec("llama_2x2", "llama", "pipe", 4, pipe_size=2, schedule="zb_h1"),
         _spec("denoise_2x2", "denoise", "pipe", 4, pipe_size=2, epochs=NOISE_EPOCHS),
     ],
 }

@@ -45,10 +45,10 @@ def assert_same_training(got, want):
 @pytest.mark.parametrize("launch, name, reference", [
     ("world2", "llama_p2", "llama"),  # GPipe, 2 stages
     ("world3", "llama_p3", "llama"),  # 1F1B, 3 stages
-    ("world4", "llama_p4", "llama"),  # 1F1B, 4 stages, checkpoint="always"
-    ("world2", "gpt2_p2", "gpt2"),  # 1F1B
+    ("world4", "llama_p4", "llama"),  # ZB-H1, 4 stages, checkpoint="always"
+    ("world2", "gpt2_p2", "gpt2"),  # ZB-H1
     ("world4", "gpt2_p4", "gpt2"),  # GPipe
-    ("world3", "albert_p3", "albert"),  # one block on every stage, clipped by the global norm
+    ("world3", "albert_p3", "albert"),  # ZB-H1, one block on every stage, clipped by the global norm
     ("world3", "tied_seq_p3", "tied_seq"),  # nn.Sequential body, tie from its first to its last stage
 ])
 def test_model_style_trains_as_under_ddp(lm_runs, launch, name, reference):

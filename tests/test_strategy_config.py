@@ -83,7 +83,9 @@ def test_a_released_body_fails_loudly_and_cannot_be_split_again():
 @pytest.mark.parametrize("kwargs, message", [
     ({"pipe_size": 0}, r"pipe_size=0\): give a positive integer"),
     ({"num_microbatches": 2.5}, r"num_microbatches=2.5\)"),
-    ({"schedule": "zb"}, r"schedule='zb'\): choose one of \['1f1b', 'gpipe'\]"),
+    ({"schedule": "zb"}, r"schedule='zb'\): choose one of \['1f1b', 'gpipe', 'zb_h1'\]"),
+    ({"schedule": "zbv"}, r"schedule='zbv'\): the schedule places several stages on each rank.*ZeroBubbleV"),
+    ({"schedule": "interleaved_1f1b"}, r"schedule='interleaved_1f1b'\): .*one of \['1f1b', 'gpipe', 'zb_h1'\]"),
     ({"checkpoint": "sometimes"}, r"checkpoint must be one of"),
     ({"start_method": "spawn"}, r"start_method='spawn'\): choose one of \['popen'\]; the spawn and fork launchers"),
     ({"loss_reduction": "token_mean"}, r"loss_reduction='token_mean'\): choose one of \['mean', 'sum'\]"),
@@ -94,7 +96,7 @@ def test_bad_arguments_raise_named_errors(kwargs, message):
 
 
 def test_registered_names_pick_the_schedule():
-    for name, schedule in (("pipe", "1f1b"), ("pipe_1f1b", "1f1b"), ("pipe_gpipe", "gpipe")):
+    for name, schedule in (("pipe", "1f1b"), ("pipe_1f1b", "1f1b"), ("pipe_gpipe", "gpipe"), ("pipe_zb_h1", "zb_h1")):
         assert name in StrategyRegistry
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
         assert isinstance(trainer.strategy, PipeStrategy) and trainer.strategy.schedule == schedule

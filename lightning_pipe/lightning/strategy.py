@@ -49,9 +49,22 @@ from lightning_pipe.microbatch import scatter
 from lightning_pipe.init import materialize
 from lightning_pipe.partition import balance_by_cost, split_points
 from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.schedule import SCHEDULES
+from lightning_pipe.schedule import ALL_SCHEDULES, make_table, simulate
 from lightning_pipe.ties import TiedGradients
 from lightning_pipe.trace import Recorder
+
+# the schedules of one stage per rank: PipeStrategy's split gives each rank one contiguous stage
+STRATEGY_SCHEDULES = tuple(name for name, spec in ALL_SCHEDULES.items() if spec.stages_per_rank == 1)
+
+
+def ideal_bubble(schedule: str, num_stages: int, num_microbatches: int) -> float:
+    """The schedule's idle fraction when every F, I and W costs the same and messages cost nothing.
+
+    Example:
+        >>> round(ideal_bubble("1f1b", 2, 4), 3), round(ideal_bubble("zb_h1", 2, 4), 3)
+        (0.2, 0.077)
+    """
+    return simulate(make_table(schedule, num_stages, num_microbatches)).bubble_fraction
 
 class _OneStep(Recorder):
     """The recorder of a step measured for the logger."""
@@ -79,7 +92,10 @@ class PipeStrategy(DDPStrategy):
         pipe_size: number of pipeline stages; the remaining factor of the world size replicates
             the pipeline (data parallelism). Default: all processes form one pipeline.
         num_microbatches: microbatches per batch. Default: ``2 * pipe_size``.
-        schedule: ``"1f1b"`` (less activation memory) or ``"gpipe"``.
+        schedule: ``"1f1b"`` (less activation memory than ``"gpipe"``), ``"gpipe"``, or ``"zb_h1"``
+            (zero bubble H1: backward split into input and weight gradients, the weight gradients
+            filling the bubble, at 1F1B's activation memory). Schedules with several stages per
+            rank (``"interleaved_1f1b"``, ``"zbv"``) run in the plain API only; here they raise.
         checkpoint: activation checkpointing, ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: turn the module's BatchNorms into :class:`DeferredBatchNorm`, whose
             running statistics are updated once per batch instead of once per microbatch.
@@ -120,7 +136,7 @@ class PipeStrategy(DDPStrategy):
         self,
         pipe_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
-        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "zb_h1"] = "1f1b",
         checkpoint: Union[Literal["always", "except_last", "never"], bool] = "never",
         deferred_batch_norm: bool = False,
         balance: Optional[Union[List[int], Literal["parameters", "time", "memory", "flops"]]] = None,
@@ -141,7 +157,12 @@ class PipeStrategy(DDPStrategy):
         for name, value in (("pipe_size", pipe_size), ("num_microbatches", num_microbatches)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigurationError(f"PipeStrategy({name}={value!r}): give a positive integer or None")
-        for name, value, allowed in (("schedule", schedule, sorted(SCHEDULES)), ("loss_reduction", loss_reduction,
+        if ALL_SCHEDULES.get(schedule) is not None and ALL_SCHEDULES[schedule].stages_per_rank != 1:
+            raise ConfigurationError(
+                f"PipeStrategy(schedule={schedule!r}): the schedule places several stages on each rank, and "
+                f"PipeStrategy runs one stage per rank; choose one of {sorted(STRATEGY_SCHEDULES)}, or run "
+                f"{schedule!r} through the plain API (lightning_pipe.Interleaved1F1B / ZeroBubbleV)")
+        for name, value, allowed in (("schedule", schedule, sorted(STRATEGY_SCHEDULES)), ("loss_reduction", loss_reduction,
                                      list(LOSS_REDUCTIONS)), ("start_method", start_method, ["popen"])):
             if value not in allowed:
                 raise ConfigurationError(f"PipeStrategy({name}={value!r}): choose one of {allowed}" + (
@@ -255,7 +276,7 @@ class PipeStrategy(DDPStrategy):
                 hooks.combine_optimizer_step_logs(self)
             rank_zero_info(f"PipeStrategy: {self.pp_size} stages x {self.dp_size} replicas, schedule {self.schedule}, "
                            f"{m} microbatches, checkpoint {self.checkpoint}, body `{self.split.path}`, ideal bubble "
-                           f"{(self.pp_size - 1) / (m + self.pp_size - 1):.1%}\n" + "\n".join(self._stage_rows()))
+                           f"{ideal_bubble(self.schedule, self.pp_size, m):.1%}\n" + "\n".join(self._stage_rows()))
             trainer.callbacks.insert(0, hooks.BodySwap(self, whole=True))  # the summary sees the whole model
             trainer.callbacks.append(hooks.BodySwap(self, whole=False))
         self.setup_precision_plugin()
@@ -622,7 +643,7 @@ class PipeStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, schedule in (("pipe", "1f1b"), ("pipe_1f1b", "1f1b"), ("pipe_gpipe", "gpipe")):
+        for name, schedule in (("pipe", "1f1b"), ("pipe_1f1b", "1f1b"), ("pipe_gpipe", "gpipe"), ("pipe_zb_h1", "zb_h1")):
             strategy_registry.register(
                 name, cls, description=f"Pipeline parallelism with the {schedule} schedule", schedule=schedule
             )
