@@ -14,10 +14,11 @@ thread waits on an event; NCCL works are polled with ``is_completed()``. A rank 
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -193,3 +194,20 @@ class _Waiter:
             except BaseException as exc:  # handed to the main thread, which raises it
                 slot.error = exc
             slot.done.set()
+
+
+def end_launched_ranks(launcher: Any, grace_seconds: float = 5.0) -> None:
+    """On the process that launched the others (Lightning's subprocess launcher): give them
+    ``grace_seconds`` to fail on their own, then kill what is left.
+
+    Lightning kills the other ranks only on KeyboardInterrupt; a rank of another replica can be
+    blocked in a collective that a failure left unmatched, where no message of ours reaches it.
+    """
+    procs = getattr(launcher, "procs", None)
+    if not procs:
+        return
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    if any(p.poll() is None for p in procs):
+        launcher.kill(signal.SIGKILL)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe.schedule import format_table, gpipe, one_f_one_b
+from lightning_pipe.schedule import format_table, gpipe, make_table, one_f_one_b
 from lightning_pipe.schedule.__main__ import main, schedule_tables, show
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -23,13 +23,29 @@ def _readme_table(call: str) -> str:
     return match.group(1).rstrip("\n")
 
 
-@pytest.mark.parametrize("name, call", [("gpipe", "gpipe(3, 4)"), ("1f1b", "one_f_one_b(3, 4)")])
-def test_show_prints_the_readme_table(name, call, capsys):
-    assert main(["show", name, "--stages", "3", "--microbatches", "4"]) == 0
+@pytest.mark.parametrize("argv, call", [
+    ("gpipe --stages 3 --microbatches 4", "gpipe(3, 4)"),
+    ("1f1b --stages 3 --microbatches 4", "one_f_one_b(3, 4)"),
+    ("zb_h1 --stages 3 --microbatches 4", 'make_table("zb_h1", 3, 4)'),
+    ("interleaved_1f1b --stages 2 --microbatches 4 --virtual-stages 2",
+     'make_table("interleaved_1f1b", 2, 4, virtual_stages=2)'),
+])
+def test_show_prints_the_readme_table(argv, call, capsys):
+    assert main(["show", *argv.split()]) == 0
     printed = capsys.readouterr().out
     table = _readme_table(call)
     assert printed.startswith(table + "\n\n")
-    assert table == format_table({"gpipe": gpipe, "1f1b": one_f_one_b}[name](3, 4))
+    assert table == format_table(eval(call, {"gpipe": gpipe, "one_f_one_b": one_f_one_b, "make_table": make_table}))
+
+
+def test_show_draws_zbv_with_its_two_stages_per_rank(capsys):
+    """ZB-V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; the bubble as drawn (F = I = W)."""
+    assert main(["show", "zbv", "--stages", "2", "--microbatches", "4"]) == 0
+    printed = capsys.readouterr().out
+    rows = printed.splitlines()[:2]
+    assert {a[0] for a in rows[0].split()[2:] if a[0].isdigit()} == {"0", "3"}
+    assert {a[0] for a in rows[1].split()[2:] if a[0].isdigit()} == {"1", "2"}
+    assert "zbv, 2 stages, 4 microbatches" in printed
 
 
 def test_show_prints_the_simulated_bubble_and_peak_in_flight(capsys):
@@ -66,8 +82,10 @@ def test_running_the_package_as_a_module_calls_show(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["show", "zigzag", "--stages", "2", "--microbatches", "2"], "unknown schedule 'zigzag'; choose one of"),
-    (["show", "1f1b", "--stages", "2", "--microbatches", "2", "--virtual-stages", "2"], "does not apply"),
+    (["show", "zigzag", "--stages", "2", "--microbatches", "2"], "unknown schedule 'zigzag': choose one of"),
+    (["show", "1f1b", "--stages", "2", "--microbatches", "2", "--virtual-stages", "2"],
+     "runs exactly 1 stage per rank, got virtual_stages=2"),
+    (["show", "interleaved_1f1b", "--stages", "2", "--microbatches", "2"], "needs virtual_stages"),
     (["show", "gpipe", "--stages", "0", "--microbatches", "2"], "num_stages must be a positive integer"),
 ])
 def test_show_reports_bad_arguments_and_exits_2(argv, message, capsys):

@@ -9,7 +9,7 @@ so whatever the step draws before the body (noise, masks, mixing weights) is dra
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder
 from lightning_pipe.lightning.losses import LossAccount, loss_of, merge
+from lightning_pipe.microbatch import scatter
 
 
 class StepRunner:
@@ -108,6 +109,27 @@ class StepRunner:
     def folded_logs(self, sizes: Sequence[int]) -> list:
         account = self.account
         return self.recorder.fold(sizes, account.log_weights() if account is not None else list(sizes))
+
+    def evaluate(self, hook: str, batch: Any, hook_args: tuple, pipeline: Any, first: bool,
+                 last: bool) -> Tuple[Any, Optional[tuple]]:
+        """One pipelined evaluation step: forward only, then the user's step on each output (last stage).
+
+        Returns the step's result merged over microbatches and what the last stage shares with
+        the pipeline (its folded logs, and for ``predict_step`` the predictions); None elsewhere.
+        """
+        self.begin(hook, hook_args, pipeline)
+        outputs = summary = None
+        with self.recorder.recording():
+            per_microbatch = pipeline.forward_microbatches(*((batch,) if first else ()))
+            if last:
+                parts = scatter((batch,), len(per_microbatch), pipeline.batch_dim)
+                results = [self.note(i, self.run(i, part[0], "replace", out))
+                           for i, (out, part) in enumerate(zip(per_microbatch, parts))]
+                outputs = outputs_of(results, self.account, pipeline.last_sizes)
+                shared = {"outputs": outputs} if hook == "predict_step" else {}
+                summary = (None, self.folded_logs(pipeline.last_sizes), shared, 1.0)
+            pipeline.reseed(rng.END)
+        return outputs, summary
 
     def first_stage(self) -> "FirstStage":
         return FirstStage(self)

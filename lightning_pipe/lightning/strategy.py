@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import time
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Literal, Optional, Union
@@ -29,25 +27,22 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_pipe import gradients, rng
-from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from lightning_pipe import gradients
+from lightning_pipe.batchnorm import commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.faults import report_job_error
+from lightning_pipe.faults import end_launched_ranks, report_job_error
 from lightning_pipe.lightning import hooks, logs, profile, release, tracing
-from lightning_pipe.lightning.body import find_body
 from lightning_pipe.lightning.effects import StepEffects
-from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
+from lightning_pipe.lightning.layer_list import PipelinedLayerList
+from lightning_pipe.lightning.layout import gather_whole_model, object_device, plan
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
-from lightning_pipe.lightning.split import SplitModel, balance_of, trainable_placeholder
+from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.state import Checkpoints
-from lightning_pipe.lightning.steps import StepRunner, outputs_of
-from lightning_pipe.microbatch import scatter
-from lightning_pipe.init import materialize
-from lightning_pipe.partition import balance_by_cost, split_points
+from lightning_pipe.lightning.steps import StepRunner
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import ALL_SCHEDULES, make_table, simulate
 from lightning_pipe.ties import TiedGradients
@@ -71,9 +66,6 @@ class _OneStep(Recorder):
 
     def __init__(self) -> None:
         super().__init__(keep=1)
-
-
-_GRACE_SECONDS = 5.0  # how long the launcher lets other ranks fail on their own after an exception
 
 
 class PipeStrategy(DDPStrategy):
@@ -291,68 +283,13 @@ class PipeStrategy(DDPStrategy):
         return [f"{row}, {estimate}" for row, estimate in zip(rows, estimates)]
 
     def _split_module(self, module: torch.nn.Module, trainer: Any) -> None:
-        if self.deferred_batch_norm:
-            DeferredBatchNorm.convert_deferred_batch_norm(module)
-        path, body = find_body(module, self.body)
-        built_on_meta = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
-        gradients.broadcast_module(module, self.root_device)  # every stage and replica starts from rank 0's weights
-        balance, self._costs = self.balance, None
-        if isinstance(balance, str) and balance != "parameters":
-            if built_on_meta and balance != "flops":
-                raise ConfigurationError(f"PipeStrategy(balance={balance!r}) runs the whole model on one device, but it "
-                                         "was built on the meta device; use balance='flops' or layer counts")
-            self._costs = self._measure(balance, module, path, body, trainer)
-            balance = balance_by_cost(self._costs, self.pp_size)
-        balance = balance_of(body, None if balance == "parameters" else balance, self.pp_size, path)
-        if built_on_meta:
-            self._materialize(module, path, body, balance)
-        self._sharded = self.state_dict_type == "sharded" or self.state_dict_type is None and built_on_meta
-        channel = CallChannel(dist.PrefixStore("lightning_pipe/calls/", dist.distributed_c10d._get_default_store()))
-        self.split = SplitModel(module, path, body, balance, self.stage_index, self.pp_size, channel)
+        layout = plan(self, module, trainer)
+        self.split, self._costs, self._sharded = layout.split, layout.costs, layout.sharded
         self._effects = StepEffects(module, 1)
-        self._recorder = logs.LogRecorder(module, path)
-        self._runner = StepRunner(module, self.split.stand_in, path, self._recorder, self._effects,
+        self._recorder = logs.LogRecorder(module, self.split.path)
+        self._runner = StepRunner(module, self.split.stand_in, self.split.path, self._recorder, self._effects,
                                   self.checkpoint, self.loss_reduction)
         self._ties = None
-
-    def _materialize(self, module: torch.nn.Module, path: str, body: torch.nn.Module, balance: List[int]) -> None:
-        """Give this stage's layers, and the modules outside the body if it runs them, their initial values.
-
-        The values are the modules' own ``reset_parameters()`` under a seed per module name (see
-        :func:`lightning_pipe.materialize`): the same for every layout, and the same as
-        ``materialize(model, device, seed)`` on one device, with ``seed`` global rank 0's
-        ``torch.initial_seed()`` (what ``seed_everything`` set).
-        """
-        box = [torch.initial_seed() if self.global_rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, device=self._object_device())
-        start, stop = split_points(balance)[self.stage_index]
-        local = {f"{path}.{name}" for name in list(body._modules)[start:stop]}
-        runs_outside = self.stage_index in (0, self.pp_size - 1)
-
-        def include(name: str) -> bool:
-            if name == path or name.startswith(path + "."):
-                return any(name == n or name.startswith(n + ".") for n in local)
-            return runs_outside
-
-        materialize(module, self.root_device, seed=box[0] % (1 << 63), include=include)
-
-    def _measure(self, kind: str, module: torch.nn.Module, path: str, body: torch.nn.Module, trainer: Any) -> List[float]:
-        """Global rank 0 costs each layer on a sample batch; every rank gets its numbers (see :mod:`.profile`)."""
-        box: List[Any] = [None]
-        if self.global_rank == 0:
-            # FLOPs are counted on meta stand-ins: that model stays where it is, meta parts included
-            device = self.root_device if kind != "flops" else torch.device("cpu")
-            if kind != "flops":
-                module.to(device)
-            try:
-                with self.precision_plugin.train_step_context():
-                    batch = self.batch_to_device(profile.sample_batch(trainer), device)
-                    box = [profile.layer_costs(kind, module, path, body, batch)]
-            finally:
-                if kind != "flops":
-                    module.to("cpu")
-        dist.broadcast_object_list(box, src=0, device=self._object_device())
-        return box[0]
 
     def _bare_optimizers(self) -> List[Any]:
         return [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -440,7 +377,7 @@ class PipeStrategy(DDPStrategy):
         return loss, {k: to_device(v) for k, v in extras.items()}, normalizer
 
     def _object_device(self) -> Optional[torch.device]:
-        return self.root_device if dist.get_backend(self.pp_group) == "nccl" else None
+        return object_device(self.pp_group, self.root_device)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         module = self.lightning_module
@@ -462,19 +399,9 @@ class PipeStrategy(DDPStrategy):
         if self.pp_size == 1:
             with context:
                 return getattr(self.lightning_module, hook)(*args)
-        batch, first, last, pipeline = args[0], self.stage_index == 0, self.is_last_stage, self._pipeline
-        self._runner.begin(hook, args[1:], pipeline)
-        with context, self._recorder.recording():
-            per_microbatch = pipeline.forward_microbatches(*((batch,) if first else ()))
-            outputs = summary = None
-            if last:
-                parts = scatter((batch,), len(per_microbatch), pipeline.batch_dim)
-                results = [self._runner.note(i, self._runner.run(i, part[0], "replace", out))
-                           for i, (out, part) in enumerate(zip(per_microbatch, parts))]
-                outputs = outputs_of(results, self._runner.account, pipeline.last_sizes)
-                shared = {"outputs": outputs} if hook == "predict_step" else {}
-                summary = (None, self._runner.folded_logs(pipeline.last_sizes), shared, 1.0)
-            pipeline.reseed(rng.END)
+        with context:
+            outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.stage_index == 0,
+                                                     self.is_last_stage)
         _, extras, _ = self._share_results(summary)
         return extras.get("outputs", outputs)  # predictions on every rank; the step's merged output on the last
 
@@ -570,23 +497,12 @@ class PipeStrategy(DDPStrategy):
 
     # -- the end -------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
-        """Make the whole job stop: tell every pipeline, and on the launcher end stuck ranks.
-
-        Lightning kills the other ranks only on KeyboardInterrupt. A rank of another replica can
-        be blocked in a collective that this failure left unmatched, so the launching process
-        gives the other ranks a few seconds to fail on their own, then kills what is left.
-        """
+        """Make the whole job stop: tell every pipeline, and on the launcher end stuck ranks."""
         super().on_exception(exception)
         self._failed = True  # no gathering in teardown: peers may be gone
         report_job_error(f"global rank {self.global_rank} (stage {self.stage_index}, replica {self.dp_rank}) "
                          f"failed: {type(exception).__name__}: {exception}")
-        procs = getattr(self.launcher, "procs", None)
-        if procs:
-            deadline = time.monotonic() + _GRACE_SECONDS
-            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                time.sleep(0.1)
-            if any(p.poll() is None for p in procs):
-                self.launcher.kill(signal.SIGKILL)
+        end_launched_ranks(self.launcher)
 
     def on_train_end(self) -> None:
         """Put the whole trained model back into the LightningModule (a collective, on every rank)."""
@@ -595,29 +511,7 @@ class PipeStrategy(DDPStrategy):
         if not self.gather_full_model:
             self.split.stand_in.mode = "released"  # fail loudly rather than run stage s alone
             return
-        self._install_whole_body()
-
-    def _install_whole_body(self) -> None:
-        """Gather the whole model into the module on every rank (a collective), if every rank has room.
-
-        Otherwise each rank keeps its stage, the module refuses to run, and a warning points to the
-        checkpoints, which always hold the whole model.
-        """
-        module = self.lightning_module
-        fits = torch.tensor(int(2 * release.model_bytes(module) < release.available_bytes(self.root_device)))
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-        if not fits.item():
-            self.split.stand_in.mode = "released"
-            rank_zero_warn("PipeStrategy: the whole model does not fit on every rank, so it was not gathered after "
-                           "fit; each rank keeps its stage. Load the whole model from a checkpoint instead")
-            return
-        box = [self._checkpoints.module_state()]
-        dist.broadcast_object_list(box, src=0, device=self._object_device())
-        self.split.install(whole=True)
-        self.precision_plugin.convert_module(module)  # other stages' layers were never converted
-        release.unrelease(module, self.root_device)
-        module.to(self.root_device)
-        module.load_state_dict(box[0])
+        gather_whole_model(self, self._checkpoints)
 
     def model_to_device(self) -> None:
         self._move_materialized(self.root_device)
@@ -631,7 +525,7 @@ class PipeStrategy(DDPStrategy):
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         if self.split is not None and self.split.installed and self.gather_full_model and not fitting \
                 and not getattr(self, "_failed", False):
-            self._install_whole_body()  # evaluation left the weights as they were: the whole body holds them
+            gather_whole_model(self, self._checkpoints)  # evaluation left the weights as they were: the whole body holds them
         if module is None:
             return super().teardown()
         self._move_materialized(torch.device("cpu"))  # Lightning's teardown calls module.cpu(), which meta refuses

@@ -12,27 +12,23 @@ import sys
 from typing import List, Optional
 
 from lightning_pipe.errors import ConfigurationError, PipelineError
-from lightning_pipe.schedule import SCHEDULES, format_table, simulate
+from lightning_pipe.schedule import ALL_SCHEDULES, format_table, make_table, simulate
 
 
 def schedule_tables(name: str, num_stages: int, num_microbatches: int, virtual_stages: Optional[int] = None) -> tuple:
     """The compute table of schedule ``name``: the one place ``show`` looks schedules up.
 
+    ``num_stages`` counts ranks; schedules with several stages per rank place ``virtual_stages``
+    (interleaved 1F1B) or two (ZB-V) on each.
+
     Raises:
-        ConfigurationError: an unknown name, or virtual stages for a schedule without them.
+        ConfigurationError: an unknown name, or virtual stages the schedule does not take.
 
     Example:
         >>> schedule_tables("gpipe", 2, 1)
         ((0F0, 0B0), (1F0, 1B0))
     """
-    if name not in SCHEDULES:
-        raise ConfigurationError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    if virtual_stages not in (None, 1):
-        raise ConfigurationError(
-            f"schedule {name!r} runs one stage per rank, so --virtual-stages {virtual_stages} does not apply; "
-            "leave it out or pass 1"
-        )
-    return SCHEDULES[name](num_stages, num_microbatches)
+    return make_table(name, num_stages, num_microbatches, virtual_stages)
 
 
 def show(name: str, num_stages: int, num_microbatches: int, virtual_stages: Optional[int] = None,
@@ -49,7 +45,8 @@ def show(name: str, num_stages: int, num_microbatches: int, virtual_stages: Opti
           peak in-flight microbatches per rank: 2 1
     """
     tables = schedule_tables(name, num_stages, num_microbatches, virtual_stages)
-    result = simulate(tables, forward_cost, backward_cost)
+    # as format_table draws them: I and W take one backward's time each
+    result = simulate(tables, forward_cost, backward_cost, input_cost=backward_cost, weight_cost=backward_cost)
     lines = [
         format_table(tables, forward_cost, backward_cost),
         "",
@@ -71,13 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_pipe.schedule", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     cmd = commands.add_parser("show", help="print a schedule's table, bubble and peak in-flight microbatches")
-    cmd.add_argument("schedule", help=f"one of {', '.join(sorted(SCHEDULES))}")
+    cmd.add_argument("schedule", help=f"one of {', '.join(sorted(ALL_SCHEDULES))}")
     cmd.add_argument("--stages", type=int, required=True, help="num_stages (P)")
     cmd.add_argument("--microbatches", type=int, required=True, help="num_microbatches (M)")
-    cmd.add_argument("--virtual-stages", type=int, default=None, help="stages per rank (interleaved schedules)")
+    cmd.add_argument("--virtual-stages", type=int, default=None, help="stages per rank (interleaved_1f1b)")
     cmd.add_argument("--forward-cost", type=float, default=1.0, help="time of one forward (default 1)")
     cmd.add_argument("--backward-cost", type=float, default=1.0,
-                     help="time of one backward (default 1, as in the table; 2 is closer to real models)")
+                     help="time of one backward, and of each of its halves I and W (default 1, as in the table)")
     cmd.add_argument("--png", metavar="FILE", default=None, help="also draw the plan into FILE (needs matplotlib)")
     return parser
 
