@@ -78,6 +78,15 @@ def test_cli_with_registered_strategy_name(tmp_path):
     assert "  strategy: pipe\n" in (log_dir / "config.yaml").read_text()  # the name replaced the class_path
 
 
+def test_the_shipped_config_runs_unpipelined_for_comparison(tmp_path):
+    """README's comparison run: one process, Lightning's own strategy, the same config (its
+    PipelineTrace callback included: it says it has nothing to record instead of failing, which it
+    did)."""
+    output, _ = fit(tmp_path, "--trainer.devices=1", "--trainer.strategy=auto")
+    assert "PipeStrategy:" not in output and "trained 4 steps: train_loss" in output
+    assert "timeline:" not in output
+
+
 def test_cli_with_shipped_config(tmp_path):
     """The config's class_path form: PipeStrategy(pipe_size=2, num_microbatches=4, schedule=1f1b), and a
     PipelineTrace callback recording batches 2 and 3 here; the run ends by saying where its files are."""

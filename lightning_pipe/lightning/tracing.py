@@ -62,19 +62,25 @@ class PipelineTrace(Callback):
         self.paths: List[str] = []
         self._seen = 0
         self._recorder = Recorder(keep=count)
+        self._active = False
 
     def _tracing(self) -> bool:
         return self.first <= self._seen < self.first + self.count
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if not hasattr(trainer.strategy, "pipeline"):
-            raise ConfigurationError(f"PipelineTrace records PipeStrategy runs; this trainer runs {type(trainer.strategy).__name__}")
+        # the same config run without the pipeline (to compare) keeps working: nothing to record there
+        self._active = hasattr(trainer.strategy, "pipeline")
+        if not self._active:
+            rank_zero_warn(f"PipelineTrace records PipeStrategy runs; this trainer runs "
+                           f"{type(trainer.strategy).__name__}, so nothing is recorded")
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._tracing():
+        if self._active and self._tracing():
             trainer.strategy.pipeline.executor.recorder = self._recorder
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._active:
+            return
         if not self._tracing():
             self._seen += 1
             return
