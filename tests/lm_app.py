@@ -41,6 +41,7 @@ from torch import nn
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,7 +128,7 @@ class LlamaStyle(LMBase):
                              persistent=False)
         self.val_scores = []
 
-    def logits(self, tokens):
+    def logits(self, tokens, embedding_gradient_factor=None):
         t = tokens.shape[1]
         position_ids = torch.arange(t, device=tokens.device)[None]
         angles = position_ids[..., None].to(self.inv_freq.dtype) * self.inv_freq
@@ -137,6 +138,8 @@ class LlamaStyle(LMBase):
         mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()[None, None] & (keys | torch.eye(
             t, dtype=torch.bool, device=tokens.device))
         x = self.embed(tokens)
+        if embedding_gradient_factor is not None:
+            x = _ScaleGradient.apply(x, embedding_gradient_factor)
         for layer in self.layers[: self.n_layer]:
             x = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin),
                       past_key_value=None, use_cache=False)
@@ -165,6 +168,36 @@ class LlamaStyle(LMBase):
         # the usual way to get an epoch-level metric without torchmetrics: lists built in validation_step
         self.log("val_token_accuracy", torch.cat(self.val_scores).mean())
         self.val_scores.clear()
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``factor`` on its way back."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class Float16Overflow(LlamaStyle):
+    """For precision="16-mixed": in batch 2 the gradient reaching the embedding is infinite, so only
+    the first stage's parameters get non-finite gradients (the loss and the other stages' gradients
+    stay finite). The loss scaler must still skip that optimizer step on every rank and halve its
+    scale, as it does under DDP, where one scaler sees every gradient."""
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self.logits(tokens, embedding_gradient_factor=float("inf") if batch_idx == 2 else None)
+        loss, count = self._loss(logits, labels)
+        self.log("train_loss", loss)
+        return {"loss": loss, "num_items": count}
+
+    def on_before_optimizer_step(self, optimizer):
+        pass  # no grad_norm logs: batch 2's are not finite
 
 
 class GPT2Block(nn.Module):
@@ -439,7 +472,7 @@ class HFCausalLM(LMBase):
 
 
 CASES = {
-    "llama": (LlamaStyle, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
+    "llama": (LlamaStyle, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_args": (BadArgs, "tokens"),
     "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
@@ -495,10 +528,13 @@ def run(spec: dict, root: str) -> dict:
         callbacks.append(Materialized(os.path.join(root, f"materialized_{name}_{{rank}}.json")))
     if "trace" in spec:  # [first batch, number of batches]; the files go into the logger's folder
         callbacks.append(lightning_pipe.PipelineTrace(*spec["trace"]))
+    plugins, precision = [], spec.get("precision", "64-true")
+    if "fp16_scale" in spec:  # float16 autocast with a loss scaler, on the CPU (Lightning's flag would pick bf16)
+        plugins, precision = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=spec["fp16_scale"]))], None
     trainer = pl.Trainer(
         accelerator="cpu", devices=spec["devices"], strategy=strategy, max_epochs=spec.get("epochs", 1),
-        max_steps=spec.get("steps", -1),
-        precision=spec.get("precision", "64-true"), gradient_clip_val=spec.get("clip"),
+        max_steps=spec.get("steps", -1), plugins=plugins,
+        precision=precision, gradient_clip_val=spec.get("clip"),
         logger=CSVLogger(root, name=name, version=0), log_every_n_steps=1, callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0,
     )
@@ -519,6 +555,7 @@ def run(spec: dict, root: str) -> dict:
         "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "csv": rows, "callback_metrics": {k: v.cpu() for k, v in trainer.callback_metrics.items()},
         "outputs": outputs.seen, "last_model_path": checkpoint.last_model_path, "global_step": trainer.global_step,
+        "loss_scale": getattr(trainer.precision_plugin, "scaler", None) and trainer.precision_plugin.scaler.get_scale(),
     }
 
 

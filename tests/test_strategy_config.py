@@ -143,9 +143,17 @@ def test_manual_optimization_is_refused():
         _setup(_strategy(2, 2, 0), module)
 
 
-def test_fp16_mixed_precision_is_refused():
+def test_fp16_loss_scaler_is_shared_by_the_job_in_the_same_state():
+    """The plugin's GradScaler becomes a ShardedGradScaler over the world, keeping its settings and scale."""
     from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    precision = MixedPrecision("16-mixed", device="cpu", scaler=mock.Mock())
-    with pytest.raises(ConfigurationError, match="precision='16-mixed'"):
-        _setup(_strategy(2, 2, 0), OneBody(), precision)
+    from lightning_pipe.lightning.scaling import loss_scale, share_loss_scaler
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    precision = MixedPrecision("16-mixed", device="cpu", scaler=scaler)
+    share_loss_scaler(precision, torch.device("cpu"))
+    shared = precision.scaler
+    assert isinstance(shared, ShardedGradScaler) and shared.state_dict() == scaler.state_dict()
+    assert loss_scale(precision, torch.device("cpu")) == 512.0
+    assert loss_scale(MixedPrecision("bf16-mixed", device="cpu"), torch.device("cpu")) == 1.0

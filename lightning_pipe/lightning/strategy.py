@@ -35,7 +35,7 @@ from lightning_pipe.batchnorm import commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.faults import end_launched_ranks, report_job_error
-from lightning_pipe.lightning import hooks, logs, profile, release, tracing
+from lightning_pipe.lightning import hooks, logs, profile, release, scaling, tracing
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
 from lightning_pipe.lightning.layout import gather_whole_model, object_device, plan
@@ -233,9 +233,7 @@ class PipeStrategy(DDPStrategy):
         if fitting and not module.automatic_optimization:
             raise ConfigurationError("PipeStrategy supports automatic optimization only: the pipeline runs forward and "
                                      "backward inside training_step. Remove `self.automatic_optimization = False`")
-        if str(getattr(self.precision_plugin, "precision", "")) in ("16-mixed", "16"):
-            raise ConfigurationError("PipeStrategy does not support precision='16-mixed' yet (per-microbatch loss "
-                                     "scaling); use precision='bf16-mixed' or '32-true'")
+        scaling.share_loss_scaler(self.precision_plugin, self.root_device)
         if self.split is None or self.split.module is not module:
             self._split_module(module, trainer)
         self.split.install(whole=False)
@@ -310,7 +308,8 @@ class PipeStrategy(DDPStrategy):
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
                     criterion=self._runner.criterion if last and not first else None,  # one stage: FirstStage's loss
-                    loss_scale=1.0 / module.trainer.accumulate_grad_batches,
+                    loss_scale=scaling.loss_scale(self.precision_plugin, self.root_device)
+                    / module.trainer.accumulate_grad_batches,
                 )
             if self.deferred_batch_norm:
                 commit_deferred_batch_norm(module)
