@@ -241,7 +241,8 @@ def layer_memory(module: nn.Sequential, sample_input: Any, param_scale: float = 
     return costs
 
 
-def _meta(value: Any) -> Any:
+def meta_like(value: Any) -> Any:
+    """A tensor's stand-in on the meta device (same shape, dtype and requires_grad); other values as they are."""
     if not isinstance(value, torch.Tensor):
         return value
     return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
@@ -257,10 +258,10 @@ def layer_flops(module: nn.Sequential, sample_input: Any) -> List[int]:
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    values, costs = tree_map(_meta, _values(sample_input)), []
+    values, costs = tree_map(meta_like, _values(sample_input)), []
     for layer in module:
         inputs = tuple(tree_map(_leaf, v) for v in values)
-        state = {n: _meta(t) for n, t in list(layer.named_parameters()) + list(layer.named_buffers())}
+        state = {n: meta_like(t) for n, t in list(layer.named_parameters()) + list(layer.named_buffers())}
         with FlopCounterMode(display=False) as counter:
             values = _call(module, layer, inputs, lambda lay, args: torch.func.functional_call(lay, state, args))
             roots, grads = _backward_roots(values)

@@ -22,7 +22,7 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.lightning.body import set_submodule
 from lightning_pipe.lightning.layer_list import _hidden_of
 from lightning_pipe.lightning.logs import LogRecorder
-from lightning_pipe.partition import layer_flops, layer_memory, layer_times
+from lightning_pipe.partition import layer_flops, layer_memory, layer_times, meta_like
 
 MEASURES: Dict[str, Callable[[nn.Sequential, Any], List[float]]] = {
     "time": layer_times, "memory": layer_memory, "flops": layer_flops,
@@ -99,16 +99,12 @@ def layer_costs(kind: str, module: nn.Module, path: str, body: nn.Module, batch:
         try:
             args, kwargs = body_input(module, path, body, batch)
             if kind == "flops":  # counted on meta: the blocks' bound extra arguments (a mask, rotary tables) too
-                args, kwargs = tree_map(_on_meta, (args, kwargs))
+                args, kwargs = tree_map(meta_like, (args, kwargs))
             layers, sample = as_sequential(body, args, kwargs)
             return [float(c) for c in MEASURES[kind](layers, sample)]
         finally:
             random.setstate(states[0])
             _set_numpy_state(states[1])
-
-
-def _on_meta(value: Any) -> Any:
-    return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
 
 
 def _numpy_state() -> Any:
