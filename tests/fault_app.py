@@ -12,6 +12,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lightning_app  # noqa: E402
@@ -32,6 +33,8 @@ FAULT = argparse.Namespace(fail_rank=-1, fail_epoch=0, fail_batch=0, fail_how="r
 class FaultyRegressor(lightning_app.Regressor):
     def training_step(self, batch, batch_idx):
         if (self.global_rank, self.current_epoch, batch_idx) == (FAULT.fail_rank, FAULT.fail_epoch, FAULT.fail_batch):
+            with open(os.environ["FAULT_STAMP"], "w") as stamp:  # when the failure happened (wall clock)
+                stamp.write(repr(time.time()))
             if FAULT.fail_how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on global rank {self.global_rank}")

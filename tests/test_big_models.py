@@ -35,7 +35,6 @@ def runs(tmp_path_factory):
         got, roots[name], outputs[name] = launch_lm_app(tmp_path_factory, f"big_{name}", specs)
         results.update(got)
 
-    launch("one", [_spec("ref", "ddp", 1), _spec("ref_resume", "ddp", 1, epochs=2, resume="ref/ckpt/last.ckpt")])
     launch("two", [_spec("p2", "pipe", 2, save_after_fit=True), _spec("ddp2", "ddp", 2),
                    _spec("p2_full", "pipe", 2, save_after_fit=True, state_dict_type="full"),
                    _spec("p2_flops", "pipe", 2, balance="flops", steps=1)])
@@ -45,7 +44,8 @@ def runs(tmp_path_factory):
     consolidated = str(roots["two"] / "consolidated.ckpt")
     subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", sharded,
                     "--output_file", consolidated], check=True, capture_output=True, timeout=120)
-    launch("one_again", [_spec("p1_resume", "pipe", 1, epochs=2, resume=sharded),
+    launch("one", [_spec("ref", "ddp", 1), _spec("ref_resume", "ddp", 1, epochs=2, resume="ref/ckpt/last.ckpt"),
+                   _spec("p1_resume", "pipe", 1, epochs=2, resume=sharded),
                          _spec("plain_resume", "ddp", 1, epochs=2, resume=consolidated),
                          _spec("after_fit_resume", "pipe", 1, epochs=2, resume=str(roots["two"] / "p2" / "final.ckpt")),
                          _spec("full_after_fit_resume", "ddp", 1, epochs=2,

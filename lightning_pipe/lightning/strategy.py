@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -40,6 +41,7 @@ from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
 from lightning_pipe.lightning.layout import gather_whole_model, object_device, plan
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
+from lightning_pipe.lightning.objects import broadcast_object
 from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.state import Checkpoints
 from lightning_pipe.lightning.steps import StepRunner
@@ -363,17 +365,17 @@ class PipeStrategy(DDPStrategy):
     def _share_results(self, summary: Optional[tuple]) -> tuple:
         """Send the last stage's loss, logs, metric states and results to the whole pipeline; log them."""
         module, last = self.lightning_module, self.is_last_stage
-        payload = [(summary, logs.metric_states(module, self.split.path)) if last else None]
+        payload = (summary, logs.metric_states(module, self.split.path)) if last else None
         if self.pp_size > 1:
-            dist.broadcast_object_list(payload, src=self._pp_ranks[-1], group=self.pp_group, device=self._object_device())
-        (loss, calls, extras, normalizer), metric_states = payload[0]
+            payload = broadcast_object(payload, self._pp_ranks[-1], self.pp_group, self._object_device())
+        (loss, calls, extras, normalizer), metric_states = payload
         if not last:
             logs.load_metric_states(module, metric_states, self.root_device)
         logs.replay(module, calls, self.root_device)
-        to_device = lambda v: v.to(self.root_device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        loss, extras = move_data_to_device((loss, extras), self.root_device)
         if loss is not None:
-            loss = to_device(loss) / normalizer
-        return loss, {k: to_device(v) for k, v in extras.items()}, normalizer
+            loss = loss / normalizer
+        return loss, extras, normalizer
 
     def _object_device(self) -> Optional[torch.device]:
         return object_device(self.pp_group, self.root_device)
@@ -416,10 +418,10 @@ class PipeStrategy(DDPStrategy):
     def share_step_state(self) -> None:
         """Epoch end: the attributes the last stage's steps built, to every stage (see :mod:`.hooks`)."""
         if self.pp_size > 1 and self.split is not None and self.split.installed:
-            box = [self._effects.shared_state() if self.is_last_stage else None]
-            dist.broadcast_object_list(box, src=self._pp_ranks[-1], group=self.pp_group, device=self._object_device())
+            state = self._effects.shared_state() if self.is_last_stage else None
+            state = broadcast_object(state, self._pp_ranks[-1], self.pp_group, self._object_device())
             if not self.is_last_stage:
-                self._effects.load_shared_state(box[0])
+                self._effects.load_shared_state(move_data_to_device(state, self.root_device))
 
     # -- collectives from user code run over the replicas of a stage, as DDP's run over its replicas
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:

@@ -1,0 +1,60 @@
+"""The per-step pieces of PipeStrategy's glue that were rewritten for speed give what they replaced."""
+
+import inspect
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+
+from lightning_pipe.lightning.logs import bind_log_call
+from lightning_pipe.lightning.objects import broadcast_object
+from tests.distributed import run
+
+LOG_CALLS = [
+    (("loss", 1.0), {}),
+    (("loss", torch.tensor(2.0)), {"prog_bar": True, "batch_size": 3}),
+    (("acc", 0.5, True, False, True, False, "sum"), {}),
+    (("acc", 0.5, True), {"on_epoch": True, "sync_dist": True, "rank_zero_only": True}),
+    ((), {"name": "loss", "value": 3.0, "reduce_fx": max}),
+]
+
+
+@pytest.mark.parametrize("args, kwargs", LOG_CALLS)
+def test_a_log_call_binds_as_inspect_binds_it(args, kwargs):
+    bound = inspect.signature(LightningModule.log).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    expected = {k: v for k, v in bound.arguments.items() if k != "self"}
+    assert bind_log_call(*args, **kwargs) == expected
+
+
+@pytest.mark.parametrize("args, kwargs", [(("loss", 1.0), {"prog_bars": True}), (("loss", 1.0, True), {"prog_bar": True}),
+                                          (("loss", 1.0) + (False,) * 14, {}), (("loss",), {})])
+def test_a_log_call_lightning_refuses_is_refused(args, kwargs):
+    with pytest.raises(TypeError):
+        inspect.signature(LightningModule.log).bind(None, *args, **kwargs)
+    with pytest.raises(TypeError):
+        bind_log_call(*args, **kwargs)
+
+
+def _payload():
+    grad = torch.ones(2, requires_grad=True) * 3  # torch pickles it: NumPy has no autograd
+    return {
+        "loss": torch.tensor(0.1, dtype=torch.float64), "ints": torch.arange(5), "flags": torch.tensor([True, False]),
+        "strided": torch.arange(12.0).reshape(3, 4).t(), "bf16": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "half": torch.tensor([0.1], dtype=torch.float16), "neg": torch.arange(3.0)._neg_view(),
+        "calls": [{"name": "loss", "value": torch.tensor(0.25), "reduce_fx": "mean"}], "n": 7, "none": None,
+        "grad": grad.detach().requires_grad_(),
+    }
+
+
+def _broadcast(rank, world_size):
+    obj = broadcast_object(_payload() if rank == 1 else None, 1, torch.distributed.group.WORLD)
+    return {k: (v.dtype, v.tolist(), v.requires_grad) if isinstance(v, torch.Tensor) else v
+            for k, v in obj.items() if k != "calls"}, obj["calls"][0]["value"].item()
+
+
+def test_broadcast_object_gives_every_rank_the_same_values_and_dtypes():
+    (received, value), (sent, sent_value) = run(_broadcast, 2, timeout=60)
+    assert received == sent and value == sent_value == 0.25
+    assert received["bf16"][0] is torch.bfloat16 and received["neg"][1] == [-0.0, -1.0, -2.0]
+    assert received["grad"][2] is True and received["strided"][1] == torch.arange(12.0).reshape(3, 4).t().tolist()
