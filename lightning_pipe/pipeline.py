@@ -192,6 +192,19 @@ class Pipeline(Tracing):
             self.replicas = ReplicaSync([(s.stage_index, list(s.module.parameters())) for s in self.stages],
                                         dp_group, exclude=self.ties.parameters())
 
+    def sync_replicas_of(self, dp_group: dist.ProcessGroup, parameters: Sequence[nn.Parameter]) -> ReplicaSync:
+        """From now on average exactly ``parameters`` over ``dp_group`` in :meth:`forward_backward`,
+        overlapped with the backward (replacing what ``dp_group=`` set up). For a caller that learns
+        which parameters train on this rank only from a first step (PipeStrategy); one local stage.
+        """
+        if len(self.stages) != 1:
+            raise ConfigurationError("sync_replicas_of takes the pipeline of one stage per rank")
+        if self.replicas is not None:
+            self.replicas.close()
+        self.dp_group = dp_group
+        self.replicas = ReplicaSync([(self.stages[0].stage_index, list(parameters))], dp_group)
+        return self.replicas
+
     def _setup_communication(self, timeout: timedelta, device: torch.device) -> None:
         # Private API: the default store is the one place every rank already shares without a new
         # rendezvous; the error channel needs exactly that.

@@ -40,6 +40,7 @@ LM_LAUNCHES = {
         _spec("unbalanced_flops", "unbalanced", "pipe", 2, balance="flops", steps=1),
         _spec("unbalanced_parameters", "unbalanced", "pipe", 2, steps=1),
         _spec("fp16_p2", "fp16", "pipe", 2, fp16_scale=256.0), _spec("fp16_ddp2", "fp16", "ddp", 2, fp16_scale=256.0),
+        _spec("sum_ddp2", "sum", "ddp", 2, epochs=3),
     ],
     "world3": [
         _spec("llama_p3", "llama", "pipe", 3, trace=[3, 1]), _spec("albert_p3", "albert", "pipe", 3, schedule="zb_h1", clip=0.5),
@@ -52,6 +53,7 @@ LM_LAUNCHES = {
         _spec("llama_2x2", "llama", "pipe", 4, pipe_size=2, schedule="zb_h1"),
         _spec("denoise_2x2", "denoise", "pipe", 4, pipe_size=2, epochs=NOISE_EPOCHS),
         _spec("fp16_2x2", "fp16", "pipe", 4, pipe_size=2, schedule="zb_h1", fp16_scale=256.0),
+        _spec("sum_2x2", "sum", "pipe", 4, pipe_size=2, schedule="zb_h1", epochs=3),
     ],
 }
 

@@ -556,6 +556,8 @@ def run(spec: dict, root: str) -> dict:
         "csv": rows, "callback_metrics": {k: v.cpu() for k, v in trainer.callback_metrics.items()},
         "outputs": outputs.seen, "last_model_path": checkpoint.last_model_path, "global_step": trainer.global_step,
         "loss_scale": getattr(trainer.precision_plugin, "scaler", None) and trainer.precision_plugin.scaler.get_scale(),
+        # the replica all-reduces of the last step that started while its backward still ran (rank 0's)
+        "started_early": getattr(getattr(getattr(trainer.strategy, "pipeline", None), "replicas", None), "started_early", None),
     }
 
 

@@ -69,6 +69,16 @@ def test_two_stages_times_two_replicas_equal_ddp_on_two_devices(lm_runs):
     assert_same_training(results["llama_2x2"], lm_runs("world2")[0]["llama_ddp2"])
 
 
+def test_replicas_average_inside_the_step_as_ddp_averages(lm_runs):
+    """pp=2 x dp=2: from the second step the replica all-reduce starts in the backward (one batch per
+    optimizer step, no num_items); the weights still equal DDP's. With num_items it waits for the
+    step's end (the count divides first), also equal to DDP (llama_2x2 above)."""
+    results = lm_runs("world4")[0]
+    assert results["sum_2x2"]["started_early"] == 1  # its one bucket, launched by the last backward
+    assert_same_training(results["sum_2x2"], lm_runs("world2")[0]["sum_ddp2"])
+    assert results["llama_2x2"]["started_early"] is None
+
+
 def test_the_summary_names_the_layer_list_and_the_ties(lm_runs):
     _, _, output = lm_runs("world3")
     assert "body `layers`" in output and "body `h`" in output and "body `body`" in output

@@ -252,6 +252,8 @@ class PipeStrategy(DDPStrategy):
             variable_messages=isinstance(self.split.stand_in, PipelinedLayerList),
         )
         self._pipeline.errors.watch_job = True  # replicas cannot go on once any rank failed
+        self._overlapped: Optional[set] = None  # parameters averaged over replicas inside the step (ids)
+        self._overlap_decided = self._synced_in_step = False
         self._effects.num_microbatches = m
         for metric in (m for m in module.modules() if isinstance(m, logs.Metric) and m.process_group is None):
             metric.process_group = self.dp_group
@@ -302,6 +304,7 @@ class PipeStrategy(DDPStrategy):
         measure = self.log_pipeline_metrics and self.pp_size > 1 and module.trainer._logger_connector.should_update_logs
         if measure and executor.recorder is None:  # a PipelineTrace callback may be recording already
             executor.recorder = _OneStep()
+        overlap = self._overlapped is not None and not module.trainer.fit_loop.epoch_loop._should_accumulate()
         with self.precision_plugin.train_step_context():
             earlier = gradients.take_grads(module.parameters())
             if self._zeroed_after_step(module.trainer):
@@ -311,7 +314,7 @@ class PipeStrategy(DDPStrategy):
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
                     criterion=self._runner.criterion if last and not first else None,  # one stage: FirstStage's loss
                     loss_scale=scaling.loss_scale(self.precision_plugin, self.root_device)
-                    / module.trainer.accumulate_grad_batches,
+                    / module.trainer.accumulate_grad_batches, sync_replicas=overlap,
                 )
             if self.deferred_batch_norm:
                 commit_deferred_batch_norm(module)
@@ -323,9 +326,17 @@ class PipeStrategy(DDPStrategy):
                        account.normalizer()) if last else None
             loss, extras, normalizer = self._share_results(summary)
             if normalizer != 1.0:  # the losses were weighted by num_items: divide by their total now
+                if overlap:
+                    raise ConfigurationError(
+                        "this training_step returned 'num_items' after earlier steps that did not; PipeStrategy "
+                        "averaged the gradients over the replicas already. Return 'num_items' from every step")
                 gradients.scale_grads(self._pending_grads, 1.0 / normalizer)
             self._ties.sum_(self._pending_grads)
             gradients.add_grads(earlier)
+            self._synced_in_step = overlap
+            if not self._overlap_decided:
+                self._overlap_decided = True
+                self._start_overlap(normalizer)
         if measure:
             self._log_step_metrics()
         return {"loss": loss, **extras} if extras else loss
@@ -362,6 +373,22 @@ class PipeStrategy(DDPStrategy):
             rank_zero_info(f"PipeStrategy: parameters used on several stages, kept in sync: {tied}")
         split.release_unused(self._called, self._bare_optimizers())
 
+    def _start_overlap(self, normalizer: float) -> None:
+        """After the first step: average over the replicas inside later steps, overlapped with their
+        backward (see :mod:`lightning_pipe.replicas`), where that equals averaging after the step.
+
+        It does when nothing is added to the gradients after the step: one batch per optimizer step
+        (with accumulation, batches set aside around Lightning's ``zero_grad`` would miss the
+        average) and a loss that needs no division by a count known only at the step's end
+        (``num_items``, one count per replica). The parameters averaged are those the first step
+        trained on this rank; any other that gets a gradient later is averaged after the step.
+        """
+        if self.dp_size == 1 or self.lightning_module.trainer.accumulate_grad_batches != 1 or normalizer != 1.0:
+            return
+        trained = [p for p, g in self._pending_grads.items() if g is not None]
+        self._pipeline.sync_replicas_of(self.dp_group, trained)
+        self._overlapped = {id(p) for p in trained}
+
     def _share_results(self, summary: Optional[tuple]) -> tuple:
         """Send the last stage's loss, logs, metric states and results to the whole pipeline; log them."""
         module, last = self.lightning_module, self.is_last_stage
@@ -386,7 +413,8 @@ class PipeStrategy(DDPStrategy):
         gradients.add_grads(self._pending_grads)
         self._pending_grads = {}
         if self.dp_size > 1 and not module.trainer.fit_loop.epoch_loop._should_accumulate():
-            gradients.average(module.parameters(), self.dp_group, self.dp_size)
+            synced = self._overlapped if self._synced_in_step else set()  # averaged inside the step already
+            gradients.average([p for p in module.parameters() if id(p) not in synced], self.dp_group, self.dp_size)
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
@@ -522,6 +550,8 @@ class PipeStrategy(DDPStrategy):
         self.model._apply(lambda t: t if t.is_meta else t.to(device))
 
     def teardown(self) -> None:
+        if self._pipeline is not None and self._pipeline.replicas is not None:
+            self._pipeline.replicas.close()  # its hooks on the parameters
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         if self.split is not None and self.split.installed and self.gather_full_model and not fitting \
