@@ -382,8 +382,11 @@ class PipeStrategy(DDPStrategy):
         average) and a loss that needs no division by a count known only at the step's end
         (``num_items``, one count per replica). The parameters averaged are those the first step
         trained on this rank; any other that gets a gradient later is averaged after the step.
+        Several stages per rank also average after the step (their parameters' last backwards
+        are not told apart here).
         """
-        if self.dp_size == 1 or self.lightning_module.trainer.accumulate_grad_batches != 1 or normalizer != 1.0:
+        if self.dp_size == 1 or self.lightning_module.trainer.accumulate_grad_batches != 1 or normalizer != 1.0 \
+                or len(self._pipeline.stages) != 1:
             return
         trained = [p for p, g in self._pending_grads.items() if g is not None]
         self._pipeline.sync_replicas_of(self.dp_group, trained)
