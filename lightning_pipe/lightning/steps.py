@@ -51,10 +51,6 @@ class StepRunner:
         self.pipeline: Any = None
         self.account: Optional[LossAccount] = None
 
-    @property
-    def is_last(self) -> bool:
-        return self.stand_in.stage_index == self.stand_in.num_stages - 1
-
     def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
         """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
         self.hook, self.hook_args, self.pipeline, self.account = hook, hook_args, pipeline, None

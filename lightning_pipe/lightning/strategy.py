@@ -48,18 +48,53 @@ from lightning_pipe.schedule import ALL_SCHEDULES, make_table, simulate
 from lightning_pipe.ties import TiedGradients
 from lightning_pipe.trace import Recorder
 
-# the schedules of one stage per rank: PipeStrategy's split gives each rank one contiguous stage
-STRATEGY_SCHEDULES = tuple(name for name, spec in ALL_SCHEDULES.items() if spec.stages_per_rank == 1)
+# the schedules PipeStrategy runs: one stage per rank, or interleaved 1F1B's several (Megatron order);
+# ZB-V's V placement (first and last stage on rank 0) is refused by name (see check_schedule)
+STRATEGY_SCHEDULES = tuple(name for name, spec in ALL_SCHEDULES.items() if spec.placement == "loop")
 
 
-def ideal_bubble(schedule: str, num_stages: int, num_microbatches: int) -> float:
+def check_schedule(schedule: str, virtual_stages: Optional[int]) -> int:
+    """The stages per rank that ``schedule`` runs with ``virtual_stages``; a named error for what does not fit.
+
+    Example:
+        >>> check_schedule("1f1b", None), check_schedule("interleaved_1f1b", 2)
+        (1, 2)
+    """
+    spec = ALL_SCHEDULES.get(schedule)
+    if spec is not None and spec.placement != "loop":
+        raise ConfigurationError(
+            f"PipeStrategy(schedule={schedule!r}): the schedule puts the first and the last stage on the same rank, "
+            f"which PipeStrategy does not run yet; choose one of {sorted(STRATEGY_SCHEDULES)} (e.g. "
+            f"schedule='interleaved_1f1b', virtual_stages=2), or run {schedule!r} through the plain API "
+            "(lightning_pipe.ZeroBubbleV)")
+    if spec is None:
+        raise ConfigurationError(f"PipeStrategy(schedule={schedule!r}): choose one of {sorted(STRATEGY_SCHEDULES)}")
+    if virtual_stages is not None and (not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool)
+                                       or virtual_stages < 1):
+        raise ConfigurationError(f"PipeStrategy(virtual_stages={virtual_stages!r}): give a positive integer or None")
+    if spec.stages_per_rank is None:  # interleaved: the caller chooses, at least 2
+        if virtual_stages is None or virtual_stages < 2:
+            raise ConfigurationError(
+                f"PipeStrategy(schedule={schedule!r}, virtual_stages={virtual_stages!r}): the schedule runs several "
+                "stages per rank; pass virtual_stages >= 2 (e.g. virtual_stages=2), or schedule='1f1b' for one")
+        return virtual_stages
+    if virtual_stages not in (None, spec.stages_per_rank):
+        raise ConfigurationError(
+            f"PipeStrategy(schedule={schedule!r}, virtual_stages={virtual_stages}): {schedule!r} runs one stage per "
+            "rank; for several use schedule='interleaved_1f1b', or leave virtual_stages out")
+    return spec.stages_per_rank
+
+
+def ideal_bubble(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: Optional[int] = None) -> float:
     """The schedule's idle fraction when every F, I and W costs the same and messages cost nothing.
 
     Example:
         >>> round(ideal_bubble("1f1b", 2, 4), 3), round(ideal_bubble("zb_h1", 2, 4), 3)
         (0.2, 0.077)
+        >>> round(ideal_bubble("interleaved_1f1b", 2, 4, virtual_stages=2), 3)
+        0.111
     """
-    return simulate(make_table(schedule, num_stages, num_microbatches)).bubble_fraction
+    return simulate(make_table(schedule, num_ranks, num_microbatches, virtual_stages)).bubble_fraction
 
 class _OneStep(Recorder):
     """The recorder of a step measured for the logger."""
@@ -69,12 +104,13 @@ class _OneStep(Recorder):
 
 
 class PipeStrategy(DDPStrategy):
-    """Pipeline parallelism (GPipe or 1F1B) composed with data parallelism, for Lightning.
+    """Pipeline parallelism (GPipe, 1F1B, ZB-H1, interleaved 1F1B) composed with data parallelism, for Lightning.
 
     The LightningModule's body (its ``nn.Sequential``, or its ``nn.ModuleList`` of blocks called
-    in a loop) is split into ``pipe_size`` stages, one per process; the user's steps stay as they
-    are. The step runs once per microbatch: up to the body call on the first stage, whole (with
-    the body's output put in) on the last. Both runs of a microbatch draw the same random numbers.
+    in a loop) is split into ``pipe_size`` stages, one per process (``pipe_size * virtual_stages``
+    under interleaved 1F1B, ``virtual_stages`` per process); the user's steps stay as they are.
+    The step runs once per microbatch: up to the body call on the first stage, whole (with the
+    body's output put in) on the last. Both runs of a microbatch draw the same random numbers.
     The batch's loss is the microbatch losses' mean weighted by microbatch size, as for a loss that
     averages over samples; a step whose loss averages over other items (tokens under a mask)
     returns ``{"loss": loss, "num_items": count}``, and one whose loss is a sum sets
@@ -86,8 +122,13 @@ class PipeStrategy(DDPStrategy):
         num_microbatches: microbatches per batch. Default: ``2 * pipe_size``.
         schedule: ``"1f1b"`` (less activation memory than ``"gpipe"``), ``"gpipe"``, or ``"zb_h1"``
             (zero bubble H1: backward split into input and weight gradients, the weight gradients
-            filling the bubble, at 1F1B's activation memory). Schedules with several stages per
-            rank (``"interleaved_1f1b"``, ``"zbv"``) run in the plain API only; here they raise.
+            filling the bubble, at 1F1B's activation memory), or ``"interleaved_1f1b"`` (Megatron-LM's
+            interleaved 1F1B: ``virtual_stages`` stages per process, about ``virtual_stages`` times
+            less bubble than 1F1B, more messages). ``"zbv"`` runs in the plain API only; here it raises.
+        virtual_stages: stages per process, for ``schedule="interleaved_1f1b"`` only (at least 2):
+            the body is cut into ``pipe_size * virtual_stages`` stages and process ``r`` of a pipeline
+            holds stages ``r, r + pipe_size, r + 2 * pipe_size, ...``; ``balance`` then lists
+            ``pipe_size * virtual_stages`` layer counts.
         checkpoint: activation checkpointing, ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: turn the module's BatchNorms into :class:`DeferredBatchNorm`, whose
             running statistics are updated once per batch instead of once per microbatch.
@@ -128,7 +169,8 @@ class PipeStrategy(DDPStrategy):
         self,
         pipe_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
-        schedule: Literal["1f1b", "gpipe", "zb_h1"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "zb_h1", "interleaved_1f1b"] = "1f1b",
+        virtual_stages: Optional[int] = None,
         checkpoint: Union[Literal["always", "except_last", "never"], bool] = "never",
         deferred_batch_norm: bool = False,
         balance: Optional[Union[List[int], Literal["parameters", "time", "memory", "flops"]]] = None,
@@ -149,13 +191,9 @@ class PipeStrategy(DDPStrategy):
         for name, value in (("pipe_size", pipe_size), ("num_microbatches", num_microbatches)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigurationError(f"PipeStrategy({name}={value!r}): give a positive integer or None")
-        if ALL_SCHEDULES.get(schedule) is not None and ALL_SCHEDULES[schedule].stages_per_rank != 1:
-            raise ConfigurationError(
-                f"PipeStrategy(schedule={schedule!r}): the schedule places several stages on each rank, and "
-                f"PipeStrategy runs one stage per rank; choose one of {sorted(STRATEGY_SCHEDULES)}, or run "
-                f"{schedule!r} through the plain API (lightning_pipe.Interleaved1F1B / ZeroBubbleV)")
-        for name, value, allowed in (("schedule", schedule, sorted(STRATEGY_SCHEDULES)), ("loss_reduction", loss_reduction,
-                                     list(LOSS_REDUCTIONS)), ("start_method", start_method, ["popen"])):
+        self.stages_per_rank = check_schedule(schedule, virtual_stages)
+        for name, value, allowed in (("loss_reduction", loss_reduction, list(LOSS_REDUCTIONS)),
+                                     ("start_method", start_method, ["popen"])):
             if value not in allowed:
                 raise ConfigurationError(f"PipeStrategy({name}={value!r}): choose one of {allowed}" + (
                     "; the spawn and fork launchers copy rank 0's (split) module back into the main process, which "
@@ -166,6 +204,7 @@ class PipeStrategy(DDPStrategy):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )
         self.pipe_size, self.num_microbatches, self.schedule = pipe_size, num_microbatches, schedule
+        self.virtual_stages = virtual_stages
         self.checkpoint = check_checkpoint(checkpoint)
         self.deferred_batch_norm, self.balance, self.body = deferred_batch_norm, balance, body
         self.loss_reduction, self.gather_full_model = loss_reduction, gather_full_model
@@ -195,6 +234,7 @@ class PipeStrategy(DDPStrategy):
 
     @property
     def stage_index(self) -> int:
+        """This process's rank in its pipeline (its stage; under interleaved 1F1B its first stage)."""
         return self.global_rank // self.dp_size
 
     @property
@@ -202,8 +242,24 @@ class PipeStrategy(DDPStrategy):
         return self.global_rank % self.dp_size
 
     @property
+    def stage_ranks(self) -> tuple:
+        """The pipeline rank of each stage: ``(0, 1, 0, 1)`` for 2 processes with 2 stages each."""
+        return ALL_SCHEDULES[self.schedule].stage_ranks(self.pp_size, self.stages_per_rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this process holds the first stage (it runs the user's step up to the body)."""
+        return self.stage_index == 0
+
+    @property
     def is_last_stage(self) -> bool:
+        """Whether this process holds the last stage (it computes the loss and logs)."""
         return self.stage_index == self.pp_size - 1
+
+    @property
+    def _last_rank(self) -> int:
+        """The global rank holding this pipeline's last stage (the source of what it shares)."""
+        return self._pp_ranks[self.pp_size - 1]
 
     @property
     def pipeline(self) -> Optional[Pipeline]:
@@ -220,6 +276,16 @@ class PipeStrategy(DDPStrategy):
                 f"PipeStrategy(pipe_size={self.pipe_size}) must divide the number of processes (devices x num_nodes = "
                 f"{self.world_size}); use a pipe_size among {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
             )
+        if self.stages_per_rank > 1 and self.pp_size < 2:
+            raise ConfigurationError(
+                f"PipeStrategy(schedule={self.schedule!r}, virtual_stages={self.stages_per_rank}) interleaves the stages "
+                f"of a pipeline of several processes, but pipe_size is {self.pp_size} ({self.world_size} processes); "
+                "use pipe_size >= 2, or schedule='1f1b' without virtual_stages")
+        if self.stages_per_rank > 1 and self._get_process_group_backend() == "nccl":
+            raise ConfigurationError(
+                f"PipeStrategy(schedule={self.schedule!r}, virtual_stages={self.stages_per_rank}): several stages per "
+                "process are not supported over NCCL yet (its grouped sends and receives could wait on each other "
+                "across two stages); use process_group_backend='gloo', or one stage per process")
         super().setup_environment()
         mesh = init_device_mesh(self.root_device.type, (self.pp_size, self.dp_size), mesh_dim_names=("pp", "dp"))
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
@@ -241,14 +307,18 @@ class PipeStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         m = self.num_microbatches or 2 * self.pp_size
+        stand_in = self.split.stand_in
+        modules = [self._runner.first_stage() if s == 0 else stand_in.chunk(k) for k, s in enumerate(stand_in.stages)]
         self._pipeline = Pipeline(
-            self._runner.first_stage() if self.stage_index == 0 else self.split.stand_in, chunks=m,
-            process_group=self.pp_group, schedule=self.schedule, timeout=self._timeout or default_pg_timeout,
-            # the first stage checkpoints the body's layers itself (see FirstStage), never the user's step
-            checkpoint=self.checkpoint if self.stage_index > 0 else "never", device=self.root_device,
+            modules if len(modules) > 1 else modules[0], chunks=m, process_group=self.pp_group, schedule=self.schedule,
+            timeout=self._timeout or default_pg_timeout, checkpoint=self.checkpoint, device=self.root_device,
             # a block's extra arguments may be None in one microbatch and a tensor in the next
-            variable_messages=isinstance(self.split.stand_in, PipelinedLayerList),
+            variable_messages=isinstance(stand_in, PipelinedLayerList),
+            virtual_stages=self.stages_per_rank if self.stages_per_rank > 1 else None,
         )
+        for stage in self._pipeline.stages:  # the first stage checkpoints the body's layers itself (see FirstStage),
+            if stage.stage_index == 0:        # never the user's step
+                stage.checkpoint = "never"
         self._pipeline.errors.watch_job = True  # replicas cannot go on once any rank failed
         self._effects.num_microbatches = m
         for metric in (m for m in module.modules() if isinstance(m, logs.Metric) and m.process_group is None):
@@ -264,9 +334,12 @@ class PipeStrategy(DDPStrategy):
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             if self.pp_size > 1 and hooks.overrides_optimizer_step_hook(module, trainer.callbacks):
                 hooks.combine_optimizer_step_logs(self)
-            rank_zero_info(f"PipeStrategy: {self.pp_size} stages x {self.dp_size} replicas, schedule {self.schedule}, "
+            v = self.stages_per_rank
+            stages = f"{self.pp_size} stages" if v == 1 else f"{self.pp_size * v} stages ({v} per process)"
+            rank_zero_info(f"PipeStrategy: {stages} x {self.dp_size} replicas, schedule {self.schedule}, "
                            f"{m} microbatches, checkpoint {self.checkpoint}, body `{self.split.path}`, ideal bubble "
-                           f"{ideal_bubble(self.schedule, self.pp_size, m):.1%}\n" + "\n".join(self._stage_rows()))
+                           f"{ideal_bubble(self.schedule, self.pp_size, m, v if v > 1 else None):.1%}\n"
+                           + "\n".join(self._stage_rows()))
             trainer.callbacks.insert(0, hooks.BodySwap(self, whole=True))  # the summary sees the whole model
             trainer.callbacks.append(hooks.BodySwap(self, whole=False))
         self.setup_precision_plugin()
@@ -294,7 +367,7 @@ class PipeStrategy(DDPStrategy):
 
     # -- training ------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module, first, last = self.lightning_module, self.stage_index == 0, self.is_last_stage
+        module, first, last = self.lightning_module, self.is_first_stage, self.is_last_stage
         self._runner.begin("training_step", args[1:], self._pipeline)
         executor = self._pipeline.executor
         measure = self.log_pipeline_metrics and self.pp_size > 1 and module.trainer._logger_connector.should_update_logs
@@ -307,7 +380,7 @@ class PipeStrategy(DDPStrategy):
             with self._recorder.recording(), release.calls_recorded() as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
-                    criterion=self._runner.criterion if last and not first else None,  # one stage: FirstStage's loss
+                    criterion=self._runner.criterion if last and self.pp_size > 1 else None,  # one stage: FirstStage's loss
                     loss_scale=scaling.loss_scale(self.precision_plugin, self.root_device)
                     / module.trainer.accumulate_grad_batches,
                 )
@@ -365,7 +438,7 @@ class PipeStrategy(DDPStrategy):
         module, last = self.lightning_module, self.is_last_stage
         payload = [(summary, logs.metric_states(module, self.split.path)) if last else None]
         if self.pp_size > 1:
-            dist.broadcast_object_list(payload, src=self._pp_ranks[-1], group=self.pp_group, device=self._object_device())
+            dist.broadcast_object_list(payload, src=self._last_rank, group=self.pp_group, device=self._object_device())
         (loss, calls, extras, normalizer), metric_states = payload[0]
         if not last:
             logs.load_metric_states(module, metric_states, self.root_device)
@@ -399,7 +472,7 @@ class PipeStrategy(DDPStrategy):
             with context:
                 return getattr(self.lightning_module, hook)(*args)
         with context:
-            outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.stage_index == 0,
+            outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.is_first_stage,
                                                      self.is_last_stage)
         _, extras, _ = self._share_results(summary)
         return extras.get("outputs", outputs)  # predictions on every rank; the step's merged output on the last
@@ -417,7 +490,7 @@ class PipeStrategy(DDPStrategy):
         """Epoch end: the attributes the last stage's steps built, to every stage (see :mod:`.hooks`)."""
         if self.pp_size > 1 and self.split is not None and self.split.installed:
             box = [self._effects.shared_state() if self.is_last_stage else None]
-            dist.broadcast_object_list(box, src=self._pp_ranks[-1], group=self.pp_group, device=self._object_device())
+            dist.broadcast_object_list(box, src=self._last_rank, group=self.pp_group, device=self._object_device())
             if not self.is_last_stage:
                 self._effects.load_shared_state(box[0])
 
@@ -540,6 +613,10 @@ class PipeStrategy(DDPStrategy):
             strategy_registry.register(
                 name, cls, description=f"Pipeline parallelism with the {schedule} schedule", schedule=schedule
             )
+        strategy_registry.register(
+            "pipe_interleaved_1f1b", cls, description="Pipeline parallelism with interleaved 1F1B, 2 stages per process",
+            schedule="interleaved_1f1b", virtual_stages=2,
+        )
 
 
 PipeStrategy.register_strategies(StrategyRegistry)
