@@ -123,3 +123,48 @@ def test_float16_mixed_precision_skips_the_same_steps_as_ddp(lm_runs, launch, na
     assert want["loss_scale"] == got["loss_scale"] == 128.0  # 256 halved once: one step skipped everywhere
     assert all(float(r["train_loss"]) < 10 for r in want["csv"] if r.get("train_loss"))  # the losses stay finite
     assert_same_training(got, want, rtol=1e-3, atol=1e-3)
+
+
+# -- interleaved 1F1B: two stages per process (process r holds stages r and r + 2) -----------------
+@pytest.mark.parametrize("launch, name, reference", [
+    ("world2", "llama_p2v2", ("reference", "llama")),  # layer list, 4 stages of one block on 2 processes
+    ("world2", "tied_seq_p2v2", ("reference", "tied_seq")),  # nn.Sequential, tie from stage 0 to stage 3, clipped
+    ("world4", "llama_2x2v2", ("world2", "llama_ddp2")),  # 2 processes x 2 replicas, checkpoint="always"
+])
+def test_interleaved_1f1b_trains_as_under_ddp(lm_runs, launch, name, reference):
+    assert_same_training(lm_runs(launch)[0][name], lm_runs(reference[0])[0][reference[1]])
+
+
+def test_interleaved_1f1b_summary_lists_every_stage_and_its_ideal_bubble(lm_runs):
+    _, _, output = lm_runs("world2")
+    # m = 3, p = 2, v = 2: (p - 1) / (v * m + p - 1) = 1 / 7
+    assert ("PipeStrategy: 4 stages (2 per process) x 1 replicas, schedule interleaved_1f1b, 3 microbatches, "
+            "checkpoint never, body `layers`, ideal bubble 14.3%\n"
+            "  stage 0: layers 0..0 (1), 2,144 parameters, ranks [0]\n"
+            "  stage 1: layers 1..1 (1), 2,144 parameters, ranks [1]\n"
+            "  stage 2: layers 2..2 (1), 2,144 parameters, ranks [0]\n"
+            "  stage 3: layers 3..3 (1), 2,144 parameters, ranks [1]\n") in output
+
+
+def test_interleaved_1f1b_checkpoints_hold_the_plain_module_and_resume_as_lightning(lm_runs):
+    """The full checkpoint of epoch 1 loads strictly into the plain module; resumed for a second epoch
+    (writing sharded checkpoints), the run ends where one DDP run of two epochs ends."""
+    from lightning_pipe.consolidate import consolidate
+    from tests.lm_app import CASES
+
+    results = lm_runs("world2")[0]
+    model = CASES["llama"][0]().double()
+    full = torch.load(results["llama_p2v2"]["last_model_path"], weights_only=False)["state_dict"]
+    assert list(full) == list(model.state_dict())
+    model.load_state_dict(full)  # strict
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, results["llama_p2v2"]["state_dict"][key], msg=lambda m: f"{key}: {m}")
+    resumed, want = results["llama_p2v2_resume"], lm_runs("reference")[0]["llama_2ep"]
+    assert resumed["global_step"] == want["global_step"] == 12
+    for key, value in want["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+    sharded = consolidate(resumed["last_model_path"])["state_dict"]
+    assert sorted(sharded) == sorted(model.state_dict())
+    model.load_state_dict(sharded)
+    for key, value in want["state_dict"].items():
+        torch.testing.assert_close(model.state_dict()[key], value, msg=lambda m: f"{key}: {m}")
