@@ -39,11 +39,13 @@ def balance_of(body: nn.Module, balance: Optional[Sequence[int]], num_ranks: int
     num_layers = len(body._modules)
     num_stages = num_ranks * virtual_stages
     if num_stages > num_layers:
-        asked = f"pipe_size={num_ranks})" if virtual_stages == 1 else \
-            f"pipe_size={num_ranks}, virtual_stages={virtual_stages}) cuts the body into {num_stages} stages and"
-        fix = f"pipe_size <= {num_layers}" if virtual_stages == 1 else f"pipe_size * virtual_stages <= {num_layers}"
+        asked = f"PipeStrategy(pipe_size={num_ranks})" if virtual_stages == 1 else \
+            f"PipeStrategy(pipe_size={num_ranks}) with {virtual_stages} stages per process cuts the body into {num_stages} " \
+            "stages and"
+        fix = f"pipe_size <= {num_layers}" if virtual_stages == 1 else \
+            f"pipe_size * {virtual_stages} <= {num_layers} (or fewer stages per process)"
         raise PartitionError(
-            f"PipeStrategy({asked} needs at least {num_stages} layers, but the body `{path}` has {num_layers}; "
+            f"{asked} needs at least {num_stages} layers, but the body `{path}` has {num_layers}; "
             f"use {fix} or split the body into more layers"
         )
     return check_balance(balance, num_layers, num_stages) if balance is not None else balance_by_parameters(body, num_stages)

@@ -71,7 +71,7 @@ class StepRunner:
             output = getattr(self.module, self.hook)(batch, *self.hook_args)
         except BodyReached:
             self.stand_in.begin_step("local")
-            self.recorder.mark_loss(None)
+            self.recorder.discard_microbatch()  # the last stage logs; under ZB-V it is on this process too
             self.effects.after(self.hook, snapshot, last_stage=False)
             raise
         except BaseException:

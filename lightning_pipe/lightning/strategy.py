@@ -48,9 +48,8 @@ from lightning_pipe.schedule import ALL_SCHEDULES, make_table, simulate
 from lightning_pipe.ties import TiedGradients
 from lightning_pipe.trace import Recorder
 
-# the schedules PipeStrategy runs: one stage per rank, or interleaved 1F1B's several (Megatron order);
-# ZB-V's V placement (first and last stage on rank 0) is refused by name (see check_schedule)
-STRATEGY_SCHEDULES = tuple(name for name, spec in ALL_SCHEDULES.items() if spec.placement == "loop")
+# the schedules PipeStrategy runs: one stage per rank, interleaved 1F1B's several (Megatron order), ZB-V's V
+STRATEGY_SCHEDULES = tuple(ALL_SCHEDULES)
 
 
 def check_schedule(schedule: str, virtual_stages: Optional[int]) -> int:
@@ -61,12 +60,6 @@ def check_schedule(schedule: str, virtual_stages: Optional[int]) -> int:
         (1, 2)
     """
     spec = ALL_SCHEDULES.get(schedule)
-    if spec is not None and spec.placement != "loop":
-        raise ConfigurationError(
-            f"PipeStrategy(schedule={schedule!r}): the schedule puts the first and the last stage on the same rank, "
-            f"which PipeStrategy does not run yet; choose one of {sorted(STRATEGY_SCHEDULES)} (e.g. "
-            f"schedule='interleaved_1f1b', virtual_stages=2), or run {schedule!r} through the plain API "
-            "(lightning_pipe.ZeroBubbleV)")
     if spec is None:
         raise ConfigurationError(f"PipeStrategy(schedule={schedule!r}): choose one of {sorted(STRATEGY_SCHEDULES)}")
     if virtual_stages is not None and (not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool)
@@ -79,9 +72,11 @@ def check_schedule(schedule: str, virtual_stages: Optional[int]) -> int:
                 "stages per rank; pass virtual_stages >= 2 (e.g. virtual_stages=2), or schedule='1f1b' for one")
         return virtual_stages
     if virtual_stages not in (None, spec.stages_per_rank):
+        one = spec.stages_per_rank == 1
+        runs = "one stage per rank" if one else f"exactly {spec.stages_per_rank} stages per rank"
         raise ConfigurationError(
-            f"PipeStrategy(schedule={schedule!r}, virtual_stages={virtual_stages}): {schedule!r} runs one stage per "
-            "rank; for several use schedule='interleaved_1f1b', or leave virtual_stages out")
+            f"PipeStrategy(schedule={schedule!r}, virtual_stages={virtual_stages}): {schedule!r} runs {runs}; for "
+            f"{'several' if one else 'another number'} use schedule='interleaved_1f1b', or leave virtual_stages out")
     return spec.stages_per_rank
 
 
@@ -124,7 +119,9 @@ class PipeStrategy(DDPStrategy):
             (zero bubble H1: backward split into input and weight gradients, the weight gradients
             filling the bubble, at 1F1B's activation memory), or ``"interleaved_1f1b"`` (Megatron-LM's
             interleaved 1F1B: ``virtual_stages`` stages per process, about ``virtual_stages`` times
-            less bubble than 1F1B, more messages). ``"zbv"`` runs in the plain API only; here it raises.
+            less bubble than 1F1B, more messages), or ``"zbv"`` (ZB-V: two stages per process in a V,
+            process ``r`` holding stages ``r`` and ``2 * pipe_size - 1 - r``, backwards split as in
+            ``"zb_h1"``; the first and the last stage are both on process 0, which computes the loss).
         virtual_stages: stages per process, for ``schedule="interleaved_1f1b"`` only (at least 2):
             the body is cut into ``pipe_size * virtual_stages`` stages and process ``r`` of a pipeline
             holds stages ``r, r + pipe_size, r + 2 * pipe_size, ...``; ``balance`` then lists
@@ -169,7 +166,7 @@ class PipeStrategy(DDPStrategy):
         self,
         pipe_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
-        schedule: Literal["1f1b", "gpipe", "zb_h1", "interleaved_1f1b"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zbv"] = "1f1b",
         virtual_stages: Optional[int] = None,
         checkpoint: Union[Literal["always", "except_last", "never"], bool] = "never",
         deferred_batch_norm: bool = False,
@@ -253,13 +250,13 @@ class PipeStrategy(DDPStrategy):
 
     @property
     def is_last_stage(self) -> bool:
-        """Whether this process holds the last stage (it computes the loss and logs)."""
-        return self.stage_index == self.pp_size - 1
+        """Whether this process holds the last stage (it computes the loss and logs; under ZB-V process 0)."""
+        return self.stage_index == self.stage_ranks[-1]
 
     @property
     def _last_rank(self) -> int:
         """The global rank holding this pipeline's last stage (the source of what it shares)."""
-        return self._pp_ranks[self.pp_size - 1]
+        return self._pp_ranks[self.stage_ranks[-1]]
 
     @property
     def pipeline(self) -> Optional[Pipeline]:
@@ -278,12 +275,13 @@ class PipeStrategy(DDPStrategy):
             )
         if self.stages_per_rank > 1 and self.pp_size < 2:
             raise ConfigurationError(
-                f"PipeStrategy(schedule={self.schedule!r}, virtual_stages={self.stages_per_rank}) interleaves the stages "
-                f"of a pipeline of several processes, but pipe_size is {self.pp_size} ({self.world_size} processes); "
-                "use pipe_size >= 2, or schedule='1f1b' without virtual_stages")
+                f"PipeStrategy(schedule={self.schedule!r}"
+                + (f", virtual_stages={self.virtual_stages}" if self.virtual_stages is not None else "") + ") places "
+                f"{self.stages_per_rank} stages on each process of a pipeline of several, but pipe_size is {self.pp_size} "
+                f"({self.world_size} processes); use pipe_size >= 2, or schedule='1f1b' without virtual_stages")
         if self.stages_per_rank > 1 and self._get_process_group_backend() == "nccl":
             raise ConfigurationError(
-                f"PipeStrategy(schedule={self.schedule!r}, virtual_stages={self.stages_per_rank}): several stages per "
+                f"PipeStrategy(schedule={self.schedule!r}): {self.stages_per_rank} stages per "
                 "process are not supported over NCCL yet (its grouped sends and receives could wait on each other "
                 "across two stages); use process_group_backend='gloo', or one stage per process")
         super().setup_environment()
@@ -617,6 +615,7 @@ class PipeStrategy(DDPStrategy):
             "pipe_interleaved_1f1b", cls, description="Pipeline parallelism with interleaved 1F1B, 2 stages per process",
             schedule="interleaved_1f1b", virtual_stages=2,
         )
+        strategy_registry.register("pipe_zbv", cls, description="Pipeline parallelism with the zbv schedule", schedule="zbv")
 
 
 PipeStrategy.register_strategies(StrategyRegistry)
