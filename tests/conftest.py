@@ -46,6 +46,9 @@ LM_LAUNCHES = {
         _spec("tied_seq_p2v2", "tied_seq", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2, clip=0.5),
         _spec("llama_p2v2_resume", "llama", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2, epochs=2,
               resume="llama_p2v2/ckpt/last.ckpt", state_dict_type="sharded"),
+        # ZB-V: stages 0 and 3 on process 0, which computes the loss
+        _spec("llama_zbv", "llama", "pipe", 2, schedule="zbv"),
+        _spec("tied_seq_zbv", "tied_seq", "pipe", 2, schedule="zbv", clip=0.5),
     ],
     "world3": [
         _spec("llama_p3", "llama", "pipe", 3, trace=[3, 1]), _spec("albert_p3", "albert", "pipe", 3, schedule="zb_h1", clip=0.5),
@@ -60,6 +63,7 @@ LM_LAUNCHES = {
         _spec("fp16_2x2", "fp16", "pipe", 4, pipe_size=2, schedule="zb_h1", fp16_scale=256.0),
         _spec("llama_2x2v2", "llama", "pipe", 4, pipe_size=2, schedule="interleaved_1f1b", virtual_stages=2,
               checkpoint="always"),
+        _spec("llama_2x2zbv", "llama", "pipe", 4, pipe_size=2, schedule="zbv", checkpoint="except_last"),
     ],
 }
 

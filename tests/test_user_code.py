@@ -132,7 +132,8 @@ def test_step_effects_tell_state_built_in_the_step_from_side_effects():
 
 
 # -- 6: what hooks and callbacks see -------------------------------------------------------------
-@pytest.mark.parametrize("launch, name", [("world2", "llama_p2"), ("world3", "llama_p3")])
+@pytest.mark.parametrize("launch, name", [("world2", "llama_p2"), ("world3", "llama_p3"), ("world2", "llama_p2v2"),
+                                          ("world2", "llama_zbv")])
 def test_on_train_batch_end_receives_the_steps_whole_outputs(lm_runs, launch, name):
     """Regression: rank 0 got only the loss; DDP passes the step's whole dict."""
     got, want = lm_runs(launch)[0][name]["outputs"], lm_runs("reference")[0]["llama"]["outputs"]
