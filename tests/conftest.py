@@ -49,6 +49,8 @@ LM_LAUNCHES = {
         # ZB-V: stages 0 and 3 on process 0, which computes the loss
         _spec("llama_zbv", "llama", "pipe", 2, schedule="zbv"),
         _spec("tied_seq_zbv", "tied_seq", "pipe", 2, schedule="zbv", clip=0.5),
+        _spec("unbalanced_flops_v2", "unbalanced", "pipe", 2, balance="flops", steps=1, schedule="interleaved_1f1b",
+              virtual_stages=2),
     ],
     "world3": [
         _spec("llama_p3", "llama", "pipe", 3, trace=[3, 1]), _spec("albert_p3", "albert", "pipe", 3, schedule="zb_h1", clip=0.5),

@@ -8,6 +8,8 @@ with positional arguments and returning tuples, ALBERT-style blocks shared acros
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -148,6 +150,15 @@ def test_the_summary_lists_every_stage_and_the_schedules_ideal_bubble(lm_runs, s
             f"checkpoint never, body `layers`, ideal bubble {bubble}\n"
             + "".join(f"  stage {s}: layers {s}..{s} (1), 2,144 parameters, ranks [{r}]\n" for s, r in enumerate(ranks))
             ) in output
+
+
+def test_balance_by_flops_cuts_every_stage_of_an_interleaved_pipeline(lm_runs):
+    """6 Linear layers then 4 heavy parameter-free mixing blocks, cut into 4 stages on 2 processes:
+    one mixing block per stage, the cheap layers with the first."""
+    _, _, output = lm_runs("world2")
+    rows = [(0, "0..6 (7), 6,336", 0), (1, "7..7 (1), 0", 1), (2, "8..8 (1), 0", 0), (3, "9..9 (1), 0", 1)]
+    for stage, layers, rank in rows:
+        assert re.search(rf"stage {stage}: layers {re.escape(layers)} parameters, ranks \[{rank}\], flops [\d.e+]+ ", output)
 
 
 def test_two_stages_per_process_checkpoints_hold_the_plain_module_and_resume_as_lightning(lm_runs):
