@@ -99,11 +99,11 @@ class _OneStep(Recorder):
 
 
 class PipeStrategy(DDPStrategy):
-    """Pipeline parallelism (GPipe, 1F1B, ZB-H1, interleaved 1F1B) composed with data parallelism, for Lightning.
+    """Pipeline parallelism (GPipe, 1F1B, ZB-H1, interleaved 1F1B, ZB-V) with data parallelism, for Lightning.
 
     The LightningModule's body (its ``nn.Sequential``, or its ``nn.ModuleList`` of blocks called
-    in a loop) is split into ``pipe_size`` stages, one per process (``pipe_size * virtual_stages``
-    under interleaved 1F1B, ``virtual_stages`` per process); the user's steps stay as they are.
+    in a loop) is split into ``pipe_size`` stages, one per process (``virtual_stages`` per process
+    under interleaved 1F1B, two under ZB-V); the user's steps stay as they are.
     The step runs once per microbatch: up to the body call on the first stage, whole (with the
     body's output put in) on the last. Both runs of a microbatch draw the same random numbers.
     The batch's loss is the microbatch losses' mean weighted by microbatch size, as for a loss that
@@ -124,8 +124,8 @@ class PipeStrategy(DDPStrategy):
             ``"zb_h1"``; the first and the last stage are both on process 0, which computes the loss).
         virtual_stages: stages per process, for ``schedule="interleaved_1f1b"`` only (at least 2):
             the body is cut into ``pipe_size * virtual_stages`` stages and process ``r`` of a pipeline
-            holds stages ``r, r + pipe_size, r + 2 * pipe_size, ...``; ``balance`` then lists
-            ``pipe_size * virtual_stages`` layer counts.
+            holds stages ``r, r + pipe_size, r + 2 * pipe_size, ...``. With several stages per
+            process (this, or ZB-V's two) ``balance`` lists a layer count per stage.
         checkpoint: activation checkpointing, ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: turn the module's BatchNorms into :class:`DeferredBatchNorm`, whose
             running statistics are updated once per batch instead of once per microbatch.
@@ -231,7 +231,7 @@ class PipeStrategy(DDPStrategy):
 
     @property
     def stage_index(self) -> int:
-        """This process's rank in its pipeline (its stage; under interleaved 1F1B its first stage)."""
+        """This process's rank in its pipeline: its stage, or with several stages per process the lowest."""
         return self.global_rank // self.dp_size
 
     @property
