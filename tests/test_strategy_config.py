@@ -161,7 +161,7 @@ def test_interleaved_and_v_placements_and_the_first_and_last_stage():
     assert [(s.is_first_stage, s.is_last_stage) for s in strategies] == [(True, True), (False, False), (False, False)]
 
 
-def test_a_body_with_fewer_layers_than_stages_is_refused_with_the_counts():
+def test_a_body_with_fewer_layers_than_stages_or_a_short_balance_is_refused_with_the_counts():
     from lightning_pipe import PartitionError
     from lightning_pipe.lightning.split import balance_of
 
@@ -170,6 +170,9 @@ def test_a_body_with_fewer_layers_than_stages_is_refused_with_the_counts():
                                              r"pipe_size \* 2 <= 3"):
         balance_of(nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)]), None, 2, "blocks", virtual_stages=2)
     assert balance_of(nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)]), None, 2, "blocks", virtual_stages=2) == [1] * 4
+    with pytest.raises(PartitionError, match=r"PipeStrategy\(balance=\[2, 2\]\) has 2 entries, but pipe_size=2 with 2 "
+                                             r"stages per process makes 4 stages; give one layer count per stage"):
+        balance_of(nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)]), [2, 2], 2, "blocks", virtual_stages=2)
 
 
 def test_pipe_size_must_divide_the_world_before_any_collective():

@@ -48,6 +48,12 @@ def balance_of(body: nn.Module, balance: Optional[Sequence[int]], num_ranks: int
             f"{asked} needs at least {num_stages} layers, but the body `{path}` has {num_layers}; "
             f"use {fix} or split the body into more layers"
         )
+    if balance is not None and virtual_stages > 1 and len(balance) != num_stages:
+        raise PartitionError(
+            f"PipeStrategy(balance={list(balance)}) has {len(balance)} entries, but pipe_size={num_ranks} with "
+            f"{virtual_stages} stages per process makes {num_stages} stages; give one layer count per stage, in stage "
+            f"order (process r holds the stages placed on it, e.g. r and r + {num_ranks} under interleaved 1F1B)"
+        )
     return check_balance(balance, num_layers, num_stages) if balance is not None else balance_by_parameters(body, num_stages)
 
 
