@@ -277,6 +277,7 @@ class PipeStrategy(DDPStrategy):
             if stage.stage_index == 0:        # never the user's step
                 stage.checkpoint = "never"
         self._pipeline.errors.watch_job = True  # replicas cannot go on once any rank failed
+        self._runner.runs_whole_too = self.pp_size > 1 and self.is_first_stage and self.is_last_stage
         self._effects.num_microbatches = m
         for metric in (m for m in module.modules() if isinstance(m, logs.Metric) and m.process_group is None):
             metric.process_group = self.dp_group
