@@ -8,7 +8,8 @@ copy known here under another name maps back to it.
 
 Modules outside the body live on every rank; the code before the body call runs on the first and
 the last stage, the code after it on the last. A rank may hold several stages (interleaved 1F1B:
-rank ``r`` holds stages ``r, r + p, ...``): then ``stage_ranks`` maps each stage to its rank, and
+rank ``r`` holds stages ``r, r + p, ...``; ZB-V: ``r`` and ``2p - 1 - r``, so rank 0 holds the first
+and the last stage): then ``stage_ranks`` maps each stage to its rank, and
 what is *held*, *owned* or *tied* is counted per rank, since one rank holds one copy of each
 tensor for all its stages. Which stage's copy of a parameter outside the body
 is the trained one (its *owner*) is learned from the first step's gradients
