@@ -20,7 +20,7 @@ import json
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.schedule.action import B, F, RECV_KINDS, SEND_KINDS
+from lightning_pipe.schedule.action import RECV_KINDS, SEND_KINDS, B, F, I, W
 from lightning_pipe.schedule.validate import simulate
 from lightning_pipe.trace import StepRecord, by_step, pipeline_metrics
 
@@ -162,7 +162,8 @@ def _draw(ax, rows: Sequence[Sequence[Box]], waits: Sequence[Sequence[Box]], tit
 
 def _plan_boxes(tables: tuple, costs: Dict[str, float], labels: Dict) -> List[List[Box]]:
     """Boxes of ``tables`` (compute-only or lowered, e.g. with skip routes) as simulated."""
-    result = simulate(tables, costs.get(F, 1.0), costs.get(B, 1.0))
+    # a split backward measures I and W, not B: each at its own cost (B's default would be 1 s)
+    result = simulate(tables, costs.get(F, 1.0), costs.get(B, 1.0), input_cost=costs.get(I), weight_cost=costs.get(W))
     plan = [[a for a in row if a.is_compute] for row in tables]
     return [[(labels[a], a.kind, start, costs.get(a.kind, 0.0)) for a, start in zip(row, starts)]
             for row, starts in zip(plan, result.start_times)]

@@ -28,6 +28,7 @@ LM_LAUNCHES = {
         _spec("tied_seq", "tied_seq", "ddp", 1, clip=0.5), _spec("sum", "sum", "ddp", 1),
         _spec("denoise", "denoise", "ddp", 1, epochs=NOISE_EPOCHS), _spec("frozen", "frozen", "ddp", 1),
         _spec("paramfree", "paramfree", "ddp", 1), _spec("fp16", "fp16", "ddp", 1, fp16_scale=256.0),
+        _spec("llama_2ep", "llama", "ddp", 1, epochs=2),
     ],
     "world2": [
         _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe", trace=[2, 2]), _spec("gpt2_p2", "gpt2", "pipe", 2, schedule="zb_h1"),
@@ -41,6 +42,16 @@ LM_LAUNCHES = {
         _spec("unbalanced_parameters", "unbalanced", "pipe", 2, steps=1),
         _spec("fp16_p2", "fp16", "pipe", 2, fp16_scale=256.0), _spec("fp16_ddp2", "fp16", "ddp", 2, fp16_scale=256.0),
         _spec("sum_ddp2", "sum", "ddp", 2, epochs=3),
+        # interleaved 1F1B, 2 stages per process; the resume writes sharded checkpoints
+        _spec("llama_p2v2", "llama", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2),
+        _spec("tied_seq_p2v2", "tied_seq", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2, clip=0.5),
+        _spec("llama_p2v2_resume", "llama", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2, epochs=2,
+              resume="llama_p2v2/ckpt/last.ckpt", state_dict_type="sharded"),
+        # ZB-V: stages 0 and 3 on process 0, which computes the loss
+        _spec("llama_zbv", "llama", "pipe", 2, schedule="zbv"),
+        _spec("tied_seq_zbv", "tied_seq", "pipe", 2, schedule="zbv", clip=0.5),
+        _spec("unbalanced_flops_v2", "unbalanced", "pipe", 2, balance="flops", steps=1, schedule="interleaved_1f1b",
+              virtual_stages=2),
     ],
     "world3": [
         _spec("llama_p3", "llama", "pipe", 3, trace=[3, 1]), _spec("albert_p3", "albert", "pipe", 3, schedule="zb_h1", clip=0.5),
@@ -54,6 +65,9 @@ LM_LAUNCHES = {
         _spec("denoise_2x2", "denoise", "pipe", 4, pipe_size=2, epochs=NOISE_EPOCHS),
         _spec("fp16_2x2", "fp16", "pipe", 4, pipe_size=2, schedule="zb_h1", fp16_scale=256.0),
         _spec("sum_2x2", "sum", "pipe", 4, pipe_size=2, schedule="zb_h1", epochs=3),
+        _spec("llama_2x2v2", "llama", "pipe", 4, pipe_size=2, schedule="interleaved_1f1b", virtual_stages=2,
+              checkpoint="always"),
+        _spec("llama_2x2zbv", "llama", "pipe", 4, pipe_size=2, schedule="zbv", checkpoint="except_last"),
     ],
 }
 

@@ -516,7 +516,8 @@ def run(spec: dict, root: str) -> dict:
     if spec["strategy"] == "pipe":
         strategy = lightning_pipe.PipeStrategy(
             pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
-            schedule=spec.get("schedule", "1f1b"), checkpoint=spec.get("checkpoint", "never"),
+            schedule=spec.get("schedule", "1f1b"), virtual_stages=spec.get("virtual_stages"),
+            checkpoint=spec.get("checkpoint", "never"),
             loss_reduction="sum" if spec["case"] == "sum" else "mean", body=spec.get("body"), balance=spec.get("balance"),
             state_dict_type=spec.get("state_dict_type"),
         )

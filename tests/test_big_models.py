@@ -37,7 +37,8 @@ def runs(tmp_path_factory):
 
     launch("two", [_spec("p2", "pipe", 2, save_after_fit=True), _spec("ddp2", "ddp", 2),
                    _spec("p2_full", "pipe", 2, save_after_fit=True, state_dict_type="full"),
-                   _spec("p2_flops", "pipe", 2, balance="flops", steps=1)])
+                   _spec("p2_flops", "pipe", 2, balance="flops", steps=1),
+                   _spec("p2v2", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2), _spec("p2zbv", "pipe", 2, schedule="zbv")])
     sharded = str(roots["two"] / "p2" / "ckpt" / "epoch=0-step=6.ckpt")
     launch("three", [_spec("p3", "pipe", 3), _spec("p3_resume", "pipe", 3, epochs=2, resume=sharded)])
     launch("four", [_spec("p2x2", "pipe", 4, pipe_size=2), _spec("p4", "pipe", 4, steps=1, microbatches=4)])
@@ -77,6 +78,25 @@ def test_each_rank_materializes_only_its_own_blocks_with_the_documented_values(r
             torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
     # every block materialized on exactly one rank, stages in order: no rank holds another stage's layers
     assert [block for blocks in owned for block in blocks] == [0, 1, 2, 3] and all(owned), owned
+
+
+@pytest.mark.parametrize("name, owned, outside", [
+    ("p2v2", [[0, 2], [1, 3]], [True, True]),  # interleaved 1F1B: the first stage on process 0, the last on 1
+    ("p2zbv", [[0, 3], [1, 2]], [True, False]),  # ZB-V: the first and the last stage on process 0
+])
+def test_two_stages_per_process_materialize_only_their_blocks_and_train_as_under_ddp(runs, name, owned, outside):
+    _, roots, _ = runs
+    reference = torch.load(roots["one"] / "materialized_ref_0.pt")
+    for rank in range(2):
+        with open(roots["two"] / f"materialized_{name}_{rank}.json") as f:
+            held = json.load(f)
+        assert [int(block.split(".")[1]) for block, flags in held["layers"].items() if all(flags)] == owned[rank]
+        assert not any(any(flags) for block, flags in held["layers"].items() if int(block.split(".")[1]) not in owned[rank])
+        assert held["outside_real"] == (["embed.weight", "head.weight", "norm.weight"] if outside[rank] else [])
+        initial = torch.load(roots["two"] / f"materialized_{name}_{rank}.pt")
+        for key, value in initial.items():
+            torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    assert_same_training(runs[0][name], runs[0]["ref"])
 
 
 @pytest.mark.parametrize("name", ["p3_resume", "p1_resume", "plain_resume"])

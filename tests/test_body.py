@@ -27,7 +27,7 @@ class Block(nn.Module):
 
 def stand_in(start=0, stop=2, blocks=None, num_stages=2, stage_index=0):
     blocks = blocks or [Block() for _ in range(4)]
-    return PipelinedLayerList(blocks, start, stop, stage_index, num_stages, CallChannel(None)), blocks
+    return PipelinedLayerList(blocks, [(start, stop)], (stage_index,), num_stages, CallChannel(None)), blocks
 
 
 def test_split_and_join_restore_the_call():
@@ -130,13 +130,35 @@ def test_tuple_returning_blocks_pass_the_hidden_state_and_the_final_tuple_reache
     for block in whole:
         out = block(out)[0]
     last, _ = stand_in(2, 4, blocks, stage_index=1)
-    assert isinstance(last.run_blocks(x, (), {}), tuple)  # the final block's whole return value
+    assert isinstance(last.run_blocks(x, (), {}, 2, 4), tuple)  # the final block's whole return value
 
 
 def test_a_sequential_body_called_twice_in_one_step_is_refused():
-    body = PipelinedSequential(OrderedDict(a=nn.Linear(2, 2)), False, 1, 2)
+    body = PipelinedSequential([OrderedDict(a=nn.Linear(2, 2))], False, (1,), 2)
     body.begin_step("replace", (torch.zeros(1, 2),))
     body(torch.ones(1, 2))
     body(torch.ones(1, 2))
     with pytest.raises(BodyCallError, match=r"called the body `self.body` 2 times in one step"):
         body.end_step("training_step", "body")
+
+
+def test_a_process_with_two_stages_holds_both_under_their_names_and_runs_each_alone():
+    """Interleaved 1F1B, 4 stages of one block on 2 processes: process 0 holds stages 0 and 2."""
+    blocks = [Block() for _ in range(4)]
+    first = PipelinedLayerList(blocks, [(0, 1), (2, 3)], (0, 2), 4, CallChannel(None))
+    second = PipelinedLayerList(blocks, [(1, 2), (3, 4)], (1, 3), 4, CallChannel(None))
+    second.channel = first.channel  # one store in a real job
+    assert list(first.state_dict()) == ["0.linear.weight", "0.linear.bias", "2.linear.weight", "2.linear.bias"]
+    assert not any(m is chunk for m in first.modules() for chunk in first.chunks)  # no second name for a block
+    x, scale = torch.randn(3, 4), torch.tensor(0.5)
+    first.begin_step("stop")
+    with pytest.raises(BodyReached) as reached:
+        for block in first:
+            x = block(x, scale)
+    message = reached.value.outputs
+    torch.testing.assert_close(message[0], blocks[0](x, scale))  # stage 0 only
+    message = second.chunk(0)(*message)
+    torch.testing.assert_close(message[0], blocks[1](blocks[0](x, scale), scale))
+    message = first.chunk(1)(*message)
+    (out,) = second.chunk(1)(*message)  # the last stage: the final block's return value for the loop
+    torch.testing.assert_close(out, blocks[3](blocks[2](blocks[1](blocks[0](x, scale), scale), scale), scale))

@@ -8,6 +8,8 @@ with positional arguments and returning tuples, ALBERT-style blocks shared acros
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -133,3 +135,62 @@ def test_float16_mixed_precision_skips_the_same_steps_as_ddp(lm_runs, launch, na
     assert want["loss_scale"] == got["loss_scale"] == 128.0  # 256 halved once: one step skipped everywhere
     assert all(float(r["train_loss"]) < 10 for r in want["csv"] if r.get("train_loss"))  # the losses stay finite
     assert_same_training(got, want, rtol=1e-3, atol=1e-3)
+
+
+# -- two stages per process: interleaved 1F1B (process r holds stages r and r + 2) and ZB-V (r and 3 - r)
+@pytest.mark.parametrize("launch, name, reference", [
+    ("world2", "llama_p2v2", ("reference", "llama")),  # layer list, 4 stages of one block on 2 processes
+    ("world2", "tied_seq_p2v2", ("reference", "tied_seq")),  # nn.Sequential, tie from stage 0 to stage 3, clipped
+    ("world4", "llama_2x2v2", ("world2", "llama_ddp2")),  # 2 processes x 2 replicas, checkpoint="always"
+    ("world2", "llama_zbv", ("reference", "llama")),  # first and last stage on process 0
+    ("world2", "tied_seq_zbv", ("reference", "tied_seq")),  # the tie's both ends on process 0: one copy
+    ("world4", "llama_2x2zbv", ("world2", "llama_ddp2")),  # with replicas, checkpoint="except_last"
+])
+def test_two_stages_per_process_train_as_under_ddp(lm_runs, launch, name, reference):
+    assert_same_training(lm_runs(launch)[0][name], lm_runs(reference[0])[0][reference[1]])
+
+
+@pytest.mark.parametrize("schedule, bubble, ranks", [
+    ("interleaved_1f1b", "14.3%", [0, 1, 0, 1]),  # m = 3, p = 2, v = 2: (p - 1) / (v * m + p - 1) = 1 / 7
+    ("zbv", "5.3%", [0, 1, 1, 0]),
+])
+def test_the_summary_lists_every_stage_and_the_schedules_ideal_bubble(lm_runs, schedule, bubble, ranks):
+    _, _, output = lm_runs("world2")
+    assert (f"PipeStrategy: 4 stages (2 per process) x 1 replicas, schedule {schedule}, 3 microbatches, "
+            f"checkpoint never, body `layers`, ideal bubble {bubble}\n"
+            + "".join(f"  stage {s}: layers {s}..{s} (1), 2,144 parameters, ranks [{r}]\n" for s, r in enumerate(ranks))
+            ) in output
+
+
+def test_balance_by_flops_cuts_every_stage_of_an_interleaved_pipeline(lm_runs):
+    """6 Linear layers then 4 heavy parameter-free mixing blocks, cut into 4 stages on 2 processes:
+    one mixing block per stage, the cheap layers with the first."""
+    _, _, output = lm_runs("world2")
+    rows = [(0, "0..6 (7), 6,336", 0), (1, "7..7 (1), 0", 1), (2, "8..8 (1), 0", 0), (3, "9..9 (1), 0", 1)]
+    for stage, layers, rank in rows:
+        assert re.search(rf"stage {stage}: layers {re.escape(layers)} parameters, ranks \[{rank}\], flops [\d.e+]+ ", output)
+
+
+def test_two_stages_per_process_checkpoints_hold_the_plain_module_and_resume_as_lightning(lm_runs):
+    """The full checkpoints (interleaved 1F1B, ZB-V) load strictly into the plain module; the interleaved
+    one resumed for a second epoch (writing sharded checkpoints) ends where one DDP run of two epochs ends."""
+    from lightning_pipe.consolidate import consolidate
+    from tests.lm_app import CASES
+
+    results = lm_runs("world2")[0]
+    model = CASES["llama"][0]().double()
+    for name in ("llama_p2v2", "llama_zbv"):
+        full = torch.load(results[name]["last_model_path"], weights_only=False)["state_dict"]
+        assert list(full) == list(model.state_dict())
+        model.load_state_dict(full)  # strict
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(value, results[name]["state_dict"][key], msg=lambda m: f"{key}: {m}")
+    resumed, want = results["llama_p2v2_resume"], lm_runs("reference")[0]["llama_2ep"]
+    assert resumed["global_step"] == want["global_step"] == 12
+    for key, value in want["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+    sharded = consolidate(resumed["last_model_path"])["state_dict"]
+    assert sorted(sharded) == sorted(model.state_dict())
+    model.load_state_dict(sharded)
+    for key, value in want["state_dict"].items():
+        torch.testing.assert_close(model.state_dict()[key], value, msg=lambda m: f"{key}: {m}")

@@ -72,7 +72,7 @@ def test_find_body_errors_name_the_fix():
 
 def test_a_released_body_fails_loudly_and_cannot_be_split_again():
     module = OneBody()
-    module.blocks = PipelinedSequential(OrderedDict(first=nn.Linear(2, 2)), False, 0, 2)
+    module.blocks = PipelinedSequential([OrderedDict(first=nn.Linear(2, 2))], False, (0,), 2)
     module.blocks.mode = "released"
     with pytest.raises(ConfigurationError, match="holds only stage 0 of 2"):
         module.blocks(torch.ones(1, 2))
@@ -83,9 +83,17 @@ def test_a_released_body_fails_loudly_and_cannot_be_split_again():
 @pytest.mark.parametrize("kwargs, message", [
     ({"pipe_size": 0}, r"pipe_size=0\): give a positive integer"),
     ({"num_microbatches": 2.5}, r"num_microbatches=2.5\)"),
-    ({"schedule": "zb"}, r"schedule='zb'\): choose one of \['1f1b', 'gpipe', 'zb_h1'\]"),
-    ({"schedule": "zbv"}, r"schedule='zbv'\): the schedule places several stages on each rank.*ZeroBubbleV"),
-    ({"schedule": "interleaved_1f1b"}, r"schedule='interleaved_1f1b'\): .*one of \['1f1b', 'gpipe', 'zb_h1'\]"),
+    ({"schedule": "zb"}, r"schedule='zb'\): choose one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', 'zbv'\]"),
+    ({"schedule": "zbv", "virtual_stages": 3}, r"schedule='zbv', virtual_stages=3\): 'zbv' runs exactly 2 stages per "
+                                               r"rank; .*leave virtual_stages out"),
+    ({"schedule": "interleaved_1f1b"}, r"schedule='interleaved_1f1b', virtual_stages=None\): the schedule runs several "
+                                       r"stages per rank; pass virtual_stages >= 2"),
+    ({"schedule": "interleaved_1f1b", "virtual_stages": 1}, r"virtual_stages=1\): .*pass virtual_stages >= 2"),
+    ({"virtual_stages": 2}, r"schedule='1f1b', virtual_stages=2\): '1f1b' runs one stage per rank; for several use "
+                            r"schedule='interleaved_1f1b'"),
+    ({"schedule": "zb_h1", "virtual_stages": 2}, r"'zb_h1' runs one stage per rank"),
+    ({"schedule": "interleaved_1f1b", "virtual_stages": 0}, r"virtual_stages=0\): give a positive integer"),
+    ({"schedule": "interleaved_1f1b", "virtual_stages": True}, r"virtual_stages=True\): give a positive integer"),
     ({"checkpoint": "sometimes"}, r"checkpoint must be one of"),
     ({"start_method": "spawn"}, r"start_method='spawn'\): choose one of \['popen'\]; the spawn and fork launchers"),
     ({"loss_reduction": "token_mean"}, r"loss_reduction='token_mean'\): choose one of \['mean', 'sum'\]"),
@@ -96,18 +104,25 @@ def test_bad_arguments_raise_named_errors(kwargs, message):
 
 
 def test_registered_names_pick_the_schedule():
-    for name, schedule in (("pipe", "1f1b"), ("pipe_1f1b", "1f1b"), ("pipe_gpipe", "gpipe"), ("pipe_zb_h1", "zb_h1")):
+    for name, schedule, ranks in (("pipe", "1f1b", (0, 1)), ("pipe_1f1b", "1f1b", (0, 1)), ("pipe_gpipe", "gpipe", (0, 1)),
+                                  ("pipe_zb_h1", "zb_h1", (0, 1)), ("pipe_interleaved_1f1b", "interleaved_1f1b", (0, 1, 0, 1)),
+                                  ("pipe_zbv", "zbv", (0, 1, 1, 0))):
         assert name in StrategyRegistry
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
         assert isinstance(trainer.strategy, PipeStrategy) and trainer.strategy.schedule == schedule
+        assert trainer.strategy.stage_ranks == ranks
 
 
-def _strategy(devices, pipe_size, rank):
+def _environment(devices, rank):
     environment = LightningEnvironment()
     environment.set_world_size(devices)
     environment.set_global_rank(rank)
+    return environment
+
+
+def _strategy(devices, pipe_size, rank):
     return PipeStrategy(pipe_size=pipe_size, parallel_devices=[torch.device("cpu")] * devices,
-                        cluster_environment=environment)
+                        cluster_environment=_environment(devices, rank))
 
 
 def test_layout_puts_pp_outermost_and_shards_data_over_replicas():
@@ -117,6 +132,47 @@ def test_layout_puts_pp_outermost_and_shards_data_over_replicas():
         (0, 0, {"num_replicas": 2, "rank": 0}), (0, 1, {"num_replicas": 2, "rank": 1}),
         (1, 0, {"num_replicas": 2, "rank": 0}), (1, 1, {"num_replicas": 2, "rank": 1}),
     ]
+
+
+def test_interleaving_needs_a_pipeline_of_several_processes_before_any_collective():
+    environment = LightningEnvironment()
+    strategy = PipeStrategy(schedule="interleaved_1f1b", virtual_stages=2, parallel_devices=[torch.device("cpu")] * 2,
+                            pipe_size=1, cluster_environment=environment)
+    with mock.patch("torch.distributed.init_process_group") as init:
+        with pytest.raises(ConfigurationError, match=r"virtual_stages=2\) places 2 stages on each process of a pipeline "
+                                                     r"of several, but pipe_size is 1 \(2 processes\); use "
+                                                     r"pipe_size >= 2"):
+            strategy.setup_environment()
+    init.assert_not_called()
+
+
+def test_interleaved_and_v_placements_and_the_first_and_last_stage():
+    """Megatron order: process r of the pipeline holds stages r, r + p, ...; the last stage is on process p - 1."""
+    strategies = [PipeStrategy(pipe_size=2, schedule="interleaved_1f1b", virtual_stages=3,
+                               parallel_devices=[torch.device("cpu")] * 4, cluster_environment=_environment(4, r))
+                  for r in range(4)]
+    assert strategies[0].stage_ranks == (0, 1, 0, 1, 0, 1)
+    assert [(s.stage_index, s.is_first_stage, s.is_last_stage) for s in strategies] == [
+        (0, True, False), (0, True, False), (1, False, True), (1, False, True)]
+    # ZB-V: process r holds stages r and 2p - 1 - r; the first and the last stage are both on process 0
+    strategies = [PipeStrategy(pipe_size=3, schedule="zbv", parallel_devices=[torch.device("cpu")] * 3,
+                               cluster_environment=_environment(3, r)) for r in range(3)]
+    assert strategies[0].stage_ranks == (0, 1, 2, 2, 1, 0)
+    assert [(s.is_first_stage, s.is_last_stage) for s in strategies] == [(True, True), (False, False), (False, False)]
+
+
+def test_a_body_with_fewer_layers_than_stages_or_a_short_balance_is_refused_with_the_counts():
+    from lightning_pipe import PartitionError
+    from lightning_pipe.lightning.split import balance_of
+
+    with pytest.raises(PartitionError, match=r"PipeStrategy\(pipe_size=2\) with 2 stages per process cuts the body into "
+                                             r"4 stages and needs at least 4 layers, but the body `blocks` has 3; use "
+                                             r"pipe_size \* 2 <= 3"):
+        balance_of(nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)]), None, 2, "blocks", virtual_stages=2)
+    assert balance_of(nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)]), None, 2, "blocks", virtual_stages=2) == [1] * 4
+    with pytest.raises(PartitionError, match=r"PipeStrategy\(balance=\[2, 2\]\) has 2 entries, but pipe_size=2 with 2 "
+                                             r"stages per process makes 4 stages; give one layer count per stage"):
+        balance_of(nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)]), [2, 2], 2, "blocks", virtual_stages=2)
 
 
 def test_pipe_size_must_divide_the_world_before_any_collective():

@@ -184,3 +184,15 @@ def test_records_survive_pickling_for_the_gather():
     record.on_compute(Action("F", 1, 0), 1.0, 2.0)
     copy = pickle.loads(pickle.dumps(record))
     assert (copy.step, copy.pp_rank, copy.compute, copy.busy_seconds()) == (3, 1, record.compute, 1.0)
+
+
+def test_the_planned_timeline_of_a_split_backward_uses_the_measured_input_and_weight_costs():
+    """Regression: only F and B costs reached the simulation, so a ZB-V or ZB-H1 plan ran every I and W
+    at the 1 s default (a 6 s plan drawn under a 0.1 s step)."""
+    from lightning_pipe.schedule import make_table
+    from lightning_pipe.timeline import _plan_boxes
+
+    tables = make_table("zbv", 2, 2)
+    labels = {a: str(a) for row in tables for a in row}
+    boxes = _plan_boxes(tables, {"F": 0.001, "I": 0.001, "W": 0.001}, labels)
+    assert max(start + duration for row in boxes for _, _, start, duration in row) < 0.05

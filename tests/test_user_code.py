@@ -7,6 +7,8 @@ rank's step drew there, microbatch by microbatch.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -131,8 +133,58 @@ def test_step_effects_tell_state_built_in_the_step_from_side_effects():
         effects.after("training_step", snapshot, last_stage=False)
 
 
+@pytest.mark.parametrize("update, refused", [
+    ("append", "['seen']"),  # a list grown before the body call
+    ("metric", "['count']"),  # a torchmetrics Metric updated before the body call
+    ("assign", None),  # a new value assigned: the whole run assigns it again, harmless
+])
+def test_state_grown_before_the_body_on_the_process_with_the_first_and_last_stage_is_refused(update, refused):
+    """Under ZB-V process 0 runs the code before the body twice per microbatch (to feed the body, and whole for
+    the loss): what that code grows would grow twice there, and the epoch-end state it shares be wrong."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    import lightning.pytorch as pl
+    import torchmetrics
+
+    from lightning_pipe import SideEffectError
+    from lightning_pipe.lightning.body import BodyReached, PipelinedSequential
+    from lightning_pipe.lightning.logs import LogRecorder
+    from lightning_pipe.lightning.steps import StepRunner
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+            self.count, self.seen, self.last = torchmetrics.SumMetric(), [], None
+
+        def training_step(self, batch, batch_idx):
+            if update == "append":
+                self.seen.append(batch_idx)
+            elif update == "metric":
+                self.count.update(1.0)
+            else:
+                self.last = batch.clone()
+            return self.body(batch).sum()
+
+    module = Module()
+    layers = list(module.body.named_children())
+    module.body = PipelinedSequential([OrderedDict(layers[:1]), OrderedDict(layers[1:])], False, (0, 3), 4)
+    runner = StepRunner(module, module.body, "body", LogRecorder(module, "body"), StepEffects(module, 2), "never", "mean")
+    runner.runs_whole_too = True
+    runner.begin("training_step", (0,), SimpleNamespace(reseed=lambda *keys: None))
+    if refused is None:
+        with pytest.raises(BodyReached):
+            runner.run(0, torch.ones(1, 2), "stop")
+        return
+    with pytest.raises(SideEffectError, match=rf"training_step changed {re.escape(refused)} before calling the body "
+                                              r"`self.body`. This process holds the first and the last stage"):
+        runner.run(0, torch.ones(1, 2), "stop")
+
+
 # -- 6: what hooks and callbacks see -------------------------------------------------------------
-@pytest.mark.parametrize("launch, name", [("world2", "llama_p2"), ("world3", "llama_p3")])
+@pytest.mark.parametrize("launch, name", [("world2", "llama_p2"), ("world3", "llama_p3"), ("world2", "llama_p2v2"),
+                                          ("world2", "llama_zbv")])
 def test_on_train_batch_end_receives_the_steps_whole_outputs(lm_runs, launch, name):
     """Regression: rank 0 got only the loss; DDP passes the step's whole dict."""
     got, want = lm_runs(launch)[0][name]["outputs"], lm_runs("reference")[0]["llama"]["outputs"]

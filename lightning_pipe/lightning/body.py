@@ -8,15 +8,19 @@ holds only the local stage's layers, under their original names (so ``state_dict
 of the unpartitioned model). What calling the stand-in does depends on where the step is:
 
 - ``"local"``: run the local layers (one stage holds them all);
-- ``"stop"``: run the local layers and stop the user's step with :class:`BodyReached` (first stage);
+- ``"stop"``: run the first stage's layers and stop the user's step with :class:`BodyReached`;
 - ``"replace"``: return the output the pipeline computed, whatever the input (last stage);
 - ``"released"``: refuse to run (after ``fit`` without gathering the whole model).
+
+Under an interleaved placement a rank holds several stages (``stages``, e.g. stages 1 and 3 of 4):
+the stand-in still holds all of the rank's layers under their original names, and the pipeline
+runs each stage through a chunk (:meth:`StandIn.chunk`) that holds only that stage's layers.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -109,8 +113,9 @@ class StandIn:
     calling convention; :meth:`begin_step` and :meth:`end_step` bracket each run of the user's step.
     """
 
-    def init_stand_in(self, stage_index: int, num_stages: int) -> None:
-        self.stage_index = stage_index
+    def init_stand_in(self, stages: Sequence[int], num_stages: int) -> None:
+        self.stages = tuple(stages)  # the stages this rank holds, in order
+        self.stage_index = self.stages[0]
         self.num_stages = num_stages
         self.mode = "local"
         self.replacement: Optional[tuple] = None
@@ -132,9 +137,10 @@ class StandIn:
 
     def refuse_if_released(self) -> None:
         if self.mode == "released":
+            held = f"stage {self.stage_index}" if len(self.stages) == 1 else f"stages {list(self.stages)}"
             raise ConfigurationError(
                 f"this body was trained under PipeStrategy(gather_full_model=False) and this process holds only "
-                f"stage {self.stage_index} of {self.num_stages}; load the whole model from a checkpoint "
+                f"{held} of {self.num_stages}; load the whole model from a checkpoint "
                 "(Module.load_from_checkpoint) or train with gather_full_model=True"
             )
 
@@ -152,22 +158,37 @@ class StandIn:
 
 
 class PipelinedSequential(StandIn, nn.Sequential):
-    """This stage's layers of an ``nn.Sequential`` body, called once from the user's unchanged step."""
+    """This rank's layers of an ``nn.Sequential`` body, called once from the user's unchanged step.
 
-    def __init__(self, layers: "OrderedDict[str, nn.Module]", multi_value: bool, stage_index: int, num_stages: int) -> None:
-        nn.Sequential.__init__(self, layers)
-        self.init_stand_in(stage_index, num_stages)
+    Args:
+        layers: the layers of each stage this rank holds (one dict per stage, in stage order).
+        multi_value: whether layers pass several values (:class:`~lightning_pipe.SequentialModel`).
+        stages: the stages this rank holds.
+        num_stages: the number of stages.
+    """
+
+    def __init__(self, layers: Sequence["OrderedDict[str, nn.Module]"], multi_value: bool, stages: Sequence[int],
+                 num_stages: int) -> None:
+        nn.Sequential.__init__(self, OrderedDict((n, m) for part in layers for n, m in part.items()))
+        self.init_stand_in(stages, num_stages)
         self.multi_value = multi_value
+        # not registered: the layers' names stay the body's own (a second path would add state-dict keys)
+        self.__dict__["chunks"] = [self] if len(layers) == 1 else [SequentialChunk(self, part) for part in layers]
 
-    def run_layers(self, *inputs):
+    def chunk(self, k: int) -> nn.Module:
+        """What the pipeline runs for this rank's ``k``-th stage."""
+        return self.chunks[k]
+
+    def run_layers(self, *inputs, layers: Optional[nn.Sequential] = None):
+        layers = self if layers is None else layers
         if self.multi_value:
-            return SequentialModel.forward(self, *inputs)
+            return SequentialModel.forward(layers, *inputs)
         if len(inputs) != 1:
             raise ConfigurationError(
                 f"the body is an nn.Sequential, which takes one input, but stage {self.stage_index} got {len(inputs)}; "
                 "use lightning_pipe.SequentialModel for layers that pass several values"
             )
-        return nn.Sequential.forward(self, inputs[0])
+        return nn.Sequential.forward(layers, inputs[0])
 
     def forward(self, *inputs):
         self.refuse_if_released()
@@ -175,7 +196,27 @@ class PipelinedSequential(StandIn, nn.Sequential):
         if self.mode == "replace":
             outputs = self.replacement
             return outputs[0] if len(outputs) == 1 else outputs
-        outputs = self.run_checkpointed(self.run_layers, *inputs)
+        if self.mode == "local" and len(self.chunks) > 1:
+            raise ConfigurationError(  # internal: "local" runs only when one process holds the whole body
+                f"this process holds stages {list(self.stages)} of the body, not one contiguous part; it cannot run them "
+                "in one call")
+        first = self.chunks[0]
+        outputs = self.run_checkpointed(lambda *x: self.run_layers(*x, layers=first), *inputs)
         if self.mode == "stop":
             raise BodyReached(outputs if isinstance(outputs, tuple) else (outputs,))
         return outputs
+
+
+class SequentialChunk(nn.Sequential):
+    """One stage of a rank holding several: that stage's layers of the stand-in, run by the pipeline.
+
+    It registers the same layer objects as the stand-in, but it is no part of the LightningModule.
+    """
+
+    def __init__(self, owner: PipelinedSequential, layers: "OrderedDict[str, nn.Module]") -> None:
+        super().__init__(layers)
+        self.__dict__["owner"] = owner  # not a submodule
+
+    def forward(self, *inputs):
+        self.owner.refuse_if_released()
+        return self.owner.run_layers(*inputs, layers=self)

@@ -114,6 +114,15 @@ class StepEffects:
                 "that adds the batch size still sums to it). Count in on_train_batch_end to count batches"
             )
 
+    def grown(self, snapshot: Snapshot) -> List[str]:
+        """The attributes whose own object the run changed in place (a list appended to, a tensor written)."""
+        out = []
+        for name, value in user_attributes(self.module):
+            before, now = snapshot.attributes.get(name, _MISSING), _fingerprint(value)
+            if isinstance(before, tuple) and isinstance(now, tuple) and before[:2] == now[:2] and before != now:
+                out.append(name)
+        return out
+
     def shared_state(self) -> Dict[str, Any]:
         """The attributes the last stage's step built, to give to the other stages."""
         return {name: getattr(self.module, name) for name in sorted(self.built) if hasattr(self.module, name)}

@@ -136,27 +136,34 @@ class BlockProxy:
 
 
 class PipelinedLayerList(StandIn, nn.Module):
-    """This stage's blocks of a layer-list body, in a stand-in the user's loop iterates as the list.
+    """This rank's blocks of a layer-list body, in a stand-in the user's loop iterates as the list.
 
     Args:
-        blocks: every block of the list, in order (only ``blocks[start:stop]`` are registered here).
-        start: the first local block.
-        stop: one past the last local block.
-        stage_index: this stage.
+        blocks: every block of the list, in order (only those of this rank's stages are registered here).
+        ranges: ``(start, stop)`` of each stage this rank holds, in stage order.
+        stages: the stages this rank holds.
         num_stages: the number of stages.
         channel: where call structures are published and looked up.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], start: int, stop: int, stage_index: int, num_stages: int,
-                 channel: CallChannel) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], ranges: Sequence[Tuple[int, int]], stages: Sequence[int],
+                 num_stages: int, channel: CallChannel) -> None:
         nn.Module.__init__(self)
-        self.init_stand_in(stage_index, num_stages)
-        for i in range(start, stop):
-            self.add_module(str(i), blocks[i])
+        self.init_stand_in(stages, num_stages)
+        for start, stop in ranges:
+            for i in range(start, stop):
+                self.add_module(str(i), blocks[i])
         self.__dict__["blocks"] = list(blocks)  # not registered: proxies read the attributes of other stages' blocks
-        self.start, self.stop, self.length = start, stop, len(blocks)
+        self.ranges = [tuple(r) for r in ranges]
+        self.length = len(blocks)
         self.channel = channel
         self._seen: List[Tuple[int, Structure, List[torch.Tensor]]] = []
+        # not registered: the blocks' names stay the list's own
+        self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
+
+    def chunk(self, k: int) -> nn.Module:
+        """What the pipeline runs for this rank's ``k``-th stage."""
+        return self.chunks[k]
 
     def __len__(self) -> int:
         return self.length
@@ -212,26 +219,50 @@ class PipelinedLayerList(StandIn, nn.Module):
         if index != 0:
             raise BodyCallError(f"the loop's first block call went to block {index}; it must start at block 0")
         key = self.channel.publish(structure)
-        hidden = self.run_checkpointed(lambda h: self.run_blocks(h, args[1:], kwargs), args[0])
+        hidden = self.run_checkpointed(lambda h: self.run_blocks(h, args[1:], kwargs, *self.ranges[0]), args[0])
         raise BodyReached((hidden, *tensors, torch.tensor([key], dtype=torch.int64, device=hidden.device)))
 
-    def run_blocks(self, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        """The local blocks on ``hidden``; the final block's whole return value if it is local."""
-        for i in range(self.start, self.stop):
+    def run_blocks(self, hidden: torch.Tensor, args: tuple, kwargs: dict, start: int, stop: int) -> Any:
+        """Blocks ``start..stop-1`` on ``hidden``; the final block's whole return value if it is among them."""
+        for i in range(start, stop):
             out = self.blocks[i](hidden, *args, **kwargs)
             if i == self.length - 1:
                 return out
             hidden = _hidden_of(out, i)
         return hidden
 
-    def forward(self, hidden: torch.Tensor, *message: torch.Tensor) -> tuple:
-        """The stage's part of the body on a received message ``(hidden, *extra tensors, call id)``."""
+    def run_message(self, k: int, hidden: torch.Tensor, *message: torch.Tensor) -> tuple:
+        """This rank's ``k``-th stage on a received message ``(hidden, *extra tensors, call id)``."""
         *tensors, key = message
         args, kwargs = join_call(self.channel.lookup(int(key.item())), tensors)
-        out = self.run_blocks(hidden, args, kwargs)
-        if self.stop == self.length:
+        start, stop = self.ranges[k]
+        out = self.run_blocks(hidden, args, kwargs, start, stop)
+        if stop == self.length:
             return (out,)  # the last stage: the final block's return value, whole, for the user's loop
         return (out, *tensors, key)
+
+    def forward(self, hidden: torch.Tensor, *message: torch.Tensor) -> tuple:
+        """The stage's part of the body on a received message (one stage on this rank)."""
+        return self.run_message(0, hidden, *message)
+
+
+class LayerListChunk(nn.Module):
+    """One stage of a rank holding several: that stage's blocks, run by the pipeline on messages.
+
+    It registers the same block objects as the stand-in, but it is no part of the LightningModule.
+    """
+
+    def __init__(self, owner: PipelinedLayerList, k: int) -> None:
+        super().__init__()
+        start, stop = owner.ranges[k]
+        for i in range(start, stop):
+            self.add_module(str(i), owner.blocks[i])
+        self.__dict__["owner"] = owner  # not a submodule
+        self.k = k
+
+    def forward(self, hidden: torch.Tensor, *message: torch.Tensor) -> tuple:
+        self.owner.refuse_if_released()
+        return self.owner.run_message(self.k, hidden, *message)
 
 
 def _hidden_of(out: Any, index: int) -> torch.Tensor:

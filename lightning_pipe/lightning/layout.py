@@ -62,18 +62,19 @@ def plan(strategy: Any, module: nn.Module, trainer: Any) -> Layout:
             raise ConfigurationError(f"PipeStrategy(balance={balance!r}) runs the whole model on one device, but it "
                                      "was built on the meta device; use balance='flops' or layer counts")
         costs = _measure(strategy, balance, module, path, body, trainer)
-        balance = balance_by_cost(costs, strategy.pp_size)
-    balance = balance_of(body, None if balance == "parameters" else balance, strategy.pp_size, path)
+        balance = balance_by_cost(costs, len(strategy.stage_ranks))
+    balance = balance_of(body, None if balance == "parameters" else balance, strategy.pp_size, path,
+                         strategy.stages_per_rank)
     if built_on_meta:
         _materialize(strategy, module, path, body, balance)
     channel = CallChannel(dist.PrefixStore("lightning_pipe/calls/", dist.distributed_c10d._get_default_store()))
-    split = SplitModel(module, path, body, balance, strategy.stage_index, strategy.pp_size, channel)
+    split = SplitModel(module, path, body, balance, strategy.stage_index, strategy.stage_ranks, channel)
     sharded = strategy.state_dict_type == "sharded" or strategy.state_dict_type is None and built_on_meta
     return Layout(split, costs, sharded)
 
 
 def _materialize(strategy: Any, module: nn.Module, path: str, body: nn.Module, balance: List[int]) -> None:
-    """Give this stage's layers, and the modules outside the body if it runs them, their initial values.
+    """Give this rank's layers, and the modules outside the body if it runs them, their initial values.
 
     The values are the modules' own ``reset_parameters()`` under a seed per module name (see
     :func:`lightning_pipe.materialize`): the same for every layout, and the same as
@@ -82,10 +83,10 @@ def _materialize(strategy: Any, module: nn.Module, path: str, body: nn.Module, b
     """
     box = [torch.initial_seed() if strategy.global_rank == 0 else None]
     dist.broadcast_object_list(box, src=0, device=object_device(dist.group.WORLD, strategy.root_device))
-    stage = strategy.stage_index
-    start, stop = split_points(balance)[stage]
-    local = {f"{path}.{name}" for name in list(body._modules)[start:stop]}
-    runs_outside = stage in (0, strategy.pp_size - 1)
+    ranks, names = strategy.stage_ranks, list(body._modules)
+    local = {f"{path}.{name}" for s, (start, stop) in enumerate(split_points(balance)) if ranks[s] == strategy.stage_index
+             for name in names[start:stop]}
+    runs_outside = strategy.stage_index in (ranks[0], ranks[-1])
 
     def include(name: str) -> bool:
         if name == path or name.startswith(path + "."):

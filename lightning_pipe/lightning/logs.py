@@ -108,6 +108,12 @@ class LogRecorder:
         if not is_recomputing():
             self._calls.append([])
 
+    def discard_microbatch(self) -> None:
+        """Forget the current microbatch's calls: a first stage's run up to the body, which the process holding
+        the last stage (under ZB-V the same process) runs again whole."""
+        if self._calls and not is_recomputing():
+            self._calls.pop()
+
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if is_recomputing() or not self._calls:
             return

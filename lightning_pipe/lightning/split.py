@@ -7,7 +7,11 @@ registered under several names are found by identity (:mod:`lightning_pipe.ties`
 copy known here under another name maps back to it.
 
 Modules outside the body live on every rank; the code before the body call runs on the first and
-the last stage, the code after it on the last. Which stage's copy of a parameter outside the body
+the last stage, the code after it on the last. A rank may hold several stages (interleaved 1F1B:
+rank ``r`` holds stages ``r, r + p, ...``; ZB-V: ``r`` and ``2p - 1 - r``, so rank 0 holds the first
+and the last stage): then ``stage_ranks`` maps each stage to its rank, and
+what is *held*, *owned* or *tied* is counted per rank, since one rank holds one copy of each
+tensor for all its stages. Which stage's copy of a parameter outside the body
 is the trained one (its *owner*) is learned from the first step's gradients
 (:meth:`SplitModel.learn_usage`): the stage that computed a gradient for it. One used on several
 stages (a module before the body whose output also feeds the loss) gets its gradients summed.
@@ -30,13 +34,26 @@ from lightning_pipe.partition import SequentialModel, balance_by_parameters, che
 from lightning_pipe.ties import Tie, aliases, find_ties
 
 
-def balance_of(body: nn.Module, balance: Optional[Sequence[int]], num_stages: int, path: str) -> List[int]:
-    """Layers per stage: ``balance`` checked, or by default even parameter counts."""
+def balance_of(body: nn.Module, balance: Optional[Sequence[int]], num_ranks: int, path: str,
+               virtual_stages: int = 1) -> List[int]:
+    """Layers per stage (``num_ranks * virtual_stages`` stages): ``balance`` checked, or by default even parameter counts."""
     num_layers = len(body._modules)
+    num_stages = num_ranks * virtual_stages
     if num_stages > num_layers:
+        asked = f"PipeStrategy(pipe_size={num_ranks})" if virtual_stages == 1 else \
+            f"PipeStrategy(pipe_size={num_ranks}) with {virtual_stages} stages per process cuts the body into {num_stages} " \
+            "stages and"
+        fix = f"pipe_size <= {num_layers}" if virtual_stages == 1 else \
+            f"pipe_size * {virtual_stages} <= {num_layers} (or fewer stages per process)"
         raise PartitionError(
-            f"PipeStrategy(pipe_size={num_stages}) needs at least {num_stages} layers, but the body "
-            f"`{path}` has {num_layers}; use pipe_size <= {num_layers} or split the body into more layers"
+            f"{asked} needs at least {num_stages} layers, but the body `{path}` has {num_layers}; "
+            f"use {fix} or split the body into more layers"
+        )
+    if balance is not None and virtual_stages > 1 and len(balance) != num_stages:
+        raise PartitionError(
+            f"PipeStrategy(balance={list(balance)}) has {len(balance)} entries, but pipe_size={num_ranks} with "
+            f"{virtual_stages} stages per process makes {num_stages} stages; give one layer count per stage, in stage "
+            f"order (process r holds the stages placed on it, e.g. r and r + {num_ranks} under interleaved 1F1B)"
         )
     return check_balance(balance, num_layers, num_stages) if balance is not None else balance_by_parameters(body, num_stages)
 
@@ -49,23 +66,28 @@ class SplitModel:
         path: the body's attribute path.
         body: the body (``nn.Sequential`` or ``nn.ModuleList``).
         balance: layers per stage (see :func:`balance_of`).
-        stage_index: this stage.
-        num_stages: the number of stages.
+        pp_rank: this rank in the pipeline.
+        stage_ranks: the rank of each stage (``(0, 1, ..., p - 1)`` for one stage per rank).
         channel: the call channel of layer-list bodies.
     """
 
     def __init__(self, module: nn.Module, path: str, body: nn.Module, balance: Sequence[int],
-                 stage_index: int, num_stages: int, channel: CallChannel) -> None:
+                 pp_rank: int, stage_ranks: Sequence[int], channel: CallChannel) -> None:
         names = list(body._modules)
-        self.balance = check_balance(balance, len(names), num_stages)
+        self.stage_ranks = tuple(stage_ranks)
+        self.num_stages = len(self.stage_ranks)
+        self.balance = check_balance(balance, len(names), self.num_stages)
         self.path, self.body, self.names = path, body, names
-        self.stage_index, self.num_stages = stage_index, num_stages
+        self.pp_rank, self.pp_size = pp_rank, max(self.stage_ranks) + 1
+        self.local_stages = tuple(s for s, r in enumerate(self.stage_ranks) if r == pp_rank)
+        self.first_rank, self.last_rank = self.stage_ranks[0], self.stage_ranks[-1]
         self.ranges = split_points(self.balance)
         self.stage_of_layer = {n: s for s, (a, b) in enumerate(self.ranges) for n in names[a:b]}
+        self.rank_of_layer = {n: self.stage_ranks[s] for n, s in self.stage_of_layer.items()}
         self.parameter_order = [n for n, _ in module.named_parameters()]
         self.key_order = list(module.state_dict())
         self.key_aliases = _key_aliases(module)
-        self.ties: List[Tie] = find_ties(module, self.stages_of)
+        self.ties: List[Tie] = find_ties(module, self.ranks_of)
         self.aliases = aliases(self.ties)
         self.owner: Dict[str, int] = {}
         self.module = module
@@ -73,20 +95,26 @@ class SplitModel:
         self.install(whole=False)
         self.released_bytes = self._release_at_setup()
 
+    @property
+    def runs_outside(self) -> bool:
+        """Whether this rank runs the user's step (it holds the first or the last stage)."""
+        return self.pp_rank in (self.first_rank, self.last_rank)
+
     def _release_at_setup(self) -> int:
-        """Other stages' layers, and on middle stages everything outside the body (see :mod:`.release`)."""
-        if self.num_stages == 1:
+        """Other ranks' layers, and on ranks with neither the first nor the last stage everything outside the body
+        (see :mod:`.release`)."""
+        if self.pp_size == 1:
             return 0
         local = release.tensor_ids([self.stand_in])
         outside = release.outside_body(self.module, self.path)
-        middle = 0 < self.stage_index < self.num_stages - 1
+        middle = not self.runs_outside
         keep = local if middle else local | release.tensor_ids(outside)
-        others = [m for n in self.names if self.stage_of_layer[n] != self.stage_index for m in self.body._modules[n].modules()]
+        others = [m for n in self.names if self.rank_of_layer[n] != self.pp_rank for m in self.body._modules[n].modules()]
         return release.release(others + (outside if middle else []), keep)
 
     def release_unused(self, called: Set[int], optimizers: Sequence[torch.optim.Optimizer]) -> int:
-        """After the first step: the modules outside the body this stage neither called nor trained."""
-        if self.num_stages == 1:
+        """After the first step: the modules outside the body this rank neither called nor trained."""
+        if self.pp_size == 1:
             return 0
         outside = release.outside_body(self.module, self.path)
         used = [m for m in outside if id(m) in called or m is self.module
@@ -109,38 +137,39 @@ class SplitModel:
         for s, (start, stop) in enumerate(self.ranges):
             layers = self.names[start:stop]
             params = sum(p.numel() for n in layers for p in self.body._modules[n].parameters())
+            r = self.stage_ranks[s]
             rows.append(f"  stage {s}: layers {layers[0]}..{layers[-1]} ({stop - start}), {params:,} parameters, "
-                        f"ranks {list(range(s * dp_size, (s + 1) * dp_size))}")
+                        f"ranks {list(range(r * dp_size, (r + 1) * dp_size))}")
         return rows
 
     def _stand_in(self, channel: CallChannel) -> StandIn:
-        start, stop = self.ranges[self.stage_index]
+        ranges = [self.ranges[s] for s in self.local_stages]
         if isinstance(self.body, nn.ModuleList):
-            return PipelinedLayerList(list(self.body), start, stop, self.stage_index, self.num_stages, channel)
-        layers = OrderedDict((n, self.body._modules[n]) for n in self.names[start:stop])
-        return PipelinedSequential(layers, isinstance(self.body, SequentialModel), self.stage_index, self.num_stages)
+            return PipelinedLayerList(list(self.body), ranges, self.local_stages, self.num_stages, channel)
+        layers = [OrderedDict((n, self.body._modules[n]) for n in self.names[a:b]) for a, b in ranges]
+        return PipelinedSequential(layers, isinstance(self.body, SequentialModel), self.local_stages, self.num_stages)
 
     def layer_of(self, name: str) -> Optional[str]:
         """The body layer a parameter or state-dict entry belongs to, or None outside the body."""
         prefix = self.path + "."
         return name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else None
 
-    def stages_of(self, name: str) -> List[int]:
-        """The stages holding a copy of a parameter (by any of its names) that they may train."""
+    def ranks_of(self, name: str) -> List[int]:
+        """The pipeline ranks holding a copy of a parameter (by any of its names) that they may train."""
         layer = self.layer_of(name)
         if layer is not None:
-            return [self.stage_of_layer[layer]]
-        return sorted({0, self.num_stages - 1})
+            return [self.rank_of_layer[layer]]
+        return sorted({self.first_rank, self.last_rank})
 
     def canonical(self, name: str) -> str:
         return self.aliases.get(name, name)
 
     # -- ownership -------------------------------------------------------------------------------
     def learn_usage(self, used_per_stage: Sequence[Sequence[str]]) -> List[Tie]:
-        """Owners of the parameters outside the body, from the stages that computed their gradients.
+        """Owners of the parameters outside the body, from the ranks that computed their gradients.
 
         Args:
-            used_per_stage: per stage, the canonical names of the parameters outside the body that
+            used_per_stage: per pipeline rank, the canonical names of the parameters outside the body that
                 got a gradient in the first step.
 
         Returns:
@@ -156,14 +185,14 @@ class SplitModel:
         return [Tie((name,), tuple(where)) for name, where in sorted(stages.items()) if len(where) > 1 and name not in tied]
 
     def owner_of(self, name: str) -> int:
-        """The stage whose copy of a parameter or state-dict entry is authoritative."""
+        """The pipeline rank whose copy of a parameter or state-dict entry is authoritative."""
         name = self.canonical(self.key_aliases.get(name, name))
         layer = self.layer_of(name)
         if layer is not None:
             for tie in self.ties:
                 if name in tie.names:
                     return tie.owner
-            return self.stage_of_layer[layer]
+            return self.rank_of_layer[layer]
         if name in self.owner:
             return self.owner[name]
         module_path = name.rpartition(".")[0]  # buffers follow the parameters of their module
@@ -171,18 +200,18 @@ class SplitModel:
         return min(owners) if owners else 0
 
     def owned_keys(self, keys: Sequence[str]) -> Set[str]:
-        """The state-dict keys among ``keys`` that this stage saves: its layers', and those it owns outside."""
+        """The state-dict keys among ``keys`` that this rank saves: its layers', and those it owns outside."""
         owned = set()
         for key in keys:
             layer = self.layer_of(key)
-            if layer is not None and self.stage_of_layer[layer] == self.stage_index or \
-                    layer is None and self.owner_of(key) == self.stage_index:
+            if layer is not None and self.rank_of_layer[layer] == self.pp_rank or \
+                    layer is None and self.owner_of(key) == self.pp_rank:
                 owned.add(key)
         return owned
 
     def counts_in_norm(self, name: str) -> bool:
-        """Whether this stage counts a local parameter's gradient in the global norm (once per tie)."""
-        return self.owner_of(name) == self.stage_index
+        """Whether this rank counts a local parameter's gradient in the global norm (once per tie)."""
+        return self.owner_of(name) == self.pp_rank
 
 
 def _key_aliases(module: nn.Module) -> Dict[str, str]:

@@ -9,17 +9,17 @@ so whatever the step draws before the body (noise, masks, mixing weights) is dra
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from lightning_pipe import rng
 from lightning_pipe.checkpoint import should_checkpoint
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.errors import ConfigurationError, SideEffectError
 from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects
-from lightning_pipe.lightning.logs import LogRecorder
+from lightning_pipe.lightning.logs import LogRecorder, metric_paths
 from lightning_pipe.lightning.losses import LossAccount, loss_of, merge
 from lightning_pipe.microbatch import scatter
 
@@ -50,10 +50,7 @@ class StepRunner:
         self.hook_args: tuple = ()
         self.pipeline: Any = None
         self.account: Optional[LossAccount] = None
-
-    @property
-    def is_last(self) -> bool:
-        return self.stand_in.stage_index == self.stand_in.num_stages - 1
+        self.runs_whole_too = False  # this process holds the first and the last stage of a pipeline (ZB-V)
 
     def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
         """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
@@ -70,13 +67,16 @@ class StepRunner:
         self.pipeline.reseed(i, rng.USER_STEP)
         self.recorder.start_microbatch()
         snapshot = self.effects.before(self.hook)
+        counts = metric_counts(self.module, self.body_path) if self.runs_whole_too and mode == "stop" else None
         self.stand_in.begin_step(mode, replacement, checkpoint_layers)
         try:
             output = getattr(self.module, self.hook)(batch, *self.hook_args)
         except BodyReached:
             self.stand_in.begin_step("local")
-            self.recorder.mark_loss(None)
+            self.recorder.discard_microbatch()  # the last stage logs; under ZB-V it is on this process too
             self.effects.after(self.hook, snapshot, last_stage=False)
+            if counts is not None:
+                self._refuse_updates_before_body(snapshot, counts)
             raise
         except BaseException:
             self.stand_in.begin_step("local")
@@ -84,6 +84,19 @@ class StepRunner:
         self.stand_in.end_step(self.hook, self.body_path)
         self.effects.after(self.hook, snapshot, last_stage=True)
         return output
+
+    def _refuse_updates_before_body(self, snapshot: Any, counts: Dict[str, int]) -> None:
+        """On a process that runs the step up to the body and again whole, state grown before the body would
+        grow twice per microbatch: refuse it (assigning a new value is harmless, the whole run assigns again)."""
+        grown = self.effects.grown(snapshot)
+        grown += [path for path, count in metric_counts(self.module, self.body_path).items() if counts.get(path) != count]
+        if grown:
+            raise SideEffectError(
+                f"{self.hook} changed {grown} before calling the body `self.{self.body_path}`. This process holds the "
+                "first and the last stage of the pipeline (schedule='zbv'), so the code before the body call runs twice "
+                "per microbatch here (once to feed the body, once whole for the loss) and the update would happen twice; "
+                "move it after the body call, or use another schedule (e.g. schedule='interleaved_1f1b', virtual_stages=2)"
+            )
 
     def loss(self, i: int, output: Any) -> torch.Tensor:
         """What to backpropagate for microbatch ``i``'s training-step result, and note it."""
@@ -164,3 +177,8 @@ class FirstStage(nn.Module):
 def outputs_of(results: Sequence[Any], account: Optional[LossAccount], sizes: Sequence[int]) -> Any:
     """An evaluation step's merged result over the microbatches (what ``on_*_batch_end`` receives)."""
     return merge(list(results), account.log_weights() if account is not None else list(sizes))
+
+
+def metric_counts(module: nn.Module, body_path: str) -> Dict[str, int]:
+    """How many times each torchmetrics Metric outside the body was updated."""
+    return {path: module.get_submodule(path)._update_count for path in metric_paths(module, body_path).values()}

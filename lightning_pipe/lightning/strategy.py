@@ -42,26 +42,15 @@ from lightning_pipe.lightning.layer_list import PipelinedLayerList
 from lightning_pipe.lightning.layout import gather_whole_model, object_device, plan
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
 from lightning_pipe.lightning.objects import broadcast_object
+from lightning_pipe.lightning.schedules import check_schedule, ideal_bubble
 from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.state import Checkpoints
 from lightning_pipe.lightning.steps import StepRunner
 from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.schedule import ALL_SCHEDULES, make_table, simulate
+from lightning_pipe.schedule import ALL_SCHEDULES
 from lightning_pipe.ties import TiedGradients
 from lightning_pipe.trace import Recorder
 
-# the schedules of one stage per rank: PipeStrategy's split gives each rank one contiguous stage
-STRATEGY_SCHEDULES = tuple(name for name, spec in ALL_SCHEDULES.items() if spec.stages_per_rank == 1)
-
-
-def ideal_bubble(schedule: str, num_stages: int, num_microbatches: int) -> float:
-    """The schedule's idle fraction when every F, I and W costs the same and messages cost nothing.
-
-    Example:
-        >>> round(ideal_bubble("1f1b", 2, 4), 3), round(ideal_bubble("zb_h1", 2, 4), 3)
-        (0.2, 0.077)
-    """
-    return simulate(make_table(schedule, num_stages, num_microbatches)).bubble_fraction
 
 class _OneStep(Recorder):
     """The recorder of a step measured for the logger."""
@@ -71,12 +60,13 @@ class _OneStep(Recorder):
 
 
 class PipeStrategy(DDPStrategy):
-    """Pipeline parallelism (GPipe or 1F1B) composed with data parallelism, for Lightning.
+    """Pipeline parallelism (GPipe, 1F1B, ZB-H1, interleaved 1F1B, ZB-V) with data parallelism, for Lightning.
 
     The LightningModule's body (its ``nn.Sequential``, or its ``nn.ModuleList`` of blocks called
-    in a loop) is split into ``pipe_size`` stages, one per process; the user's steps stay as they
-    are. The step runs once per microbatch: up to the body call on the first stage, whole (with
-    the body's output put in) on the last. Both runs of a microbatch draw the same random numbers.
+    in a loop) is split into ``pipe_size`` stages, one per process (``virtual_stages`` per process
+    under interleaved 1F1B, two under ZB-V); the user's steps stay as they are.
+    The step runs once per microbatch: up to the body call on the first stage, whole (with the
+    body's output put in) on the last. Both runs of a microbatch draw the same random numbers.
     The batch's loss is the microbatch losses' mean weighted by microbatch size, as for a loss that
     averages over samples; a step whose loss averages over other items (tokens under a mask)
     returns ``{"loss": loss, "num_items": count}``, and one whose loss is a sum sets
@@ -88,8 +78,15 @@ class PipeStrategy(DDPStrategy):
         num_microbatches: microbatches per batch. Default: ``2 * pipe_size``.
         schedule: ``"1f1b"`` (less activation memory than ``"gpipe"``), ``"gpipe"``, or ``"zb_h1"``
             (zero bubble H1: backward split into input and weight gradients, the weight gradients
-            filling the bubble, at 1F1B's activation memory). Schedules with several stages per
-            rank (``"interleaved_1f1b"``, ``"zbv"``) run in the plain API only; here they raise.
+            filling the bubble, at 1F1B's activation memory), or ``"interleaved_1f1b"`` (Megatron-LM's
+            interleaved 1F1B: ``virtual_stages`` stages per process, about ``virtual_stages`` times
+            less bubble than 1F1B, more messages), or ``"zbv"`` (ZB-V: two stages per process in a V,
+            process ``r`` holding stages ``r`` and ``2 * pipe_size - 1 - r``, backwards split as in
+            ``"zb_h1"``; the first and the last stage are both on process 0, which computes the loss).
+        virtual_stages: stages per process, for ``schedule="interleaved_1f1b"`` only (at least 2):
+            the body is cut into ``pipe_size * virtual_stages`` stages and process ``r`` of a pipeline
+            holds stages ``r, r + pipe_size, r + 2 * pipe_size, ...``. With several stages per
+            process (this, or ZB-V's two) ``balance`` lists a layer count per stage.
         checkpoint: activation checkpointing, ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: turn the module's BatchNorms into :class:`DeferredBatchNorm`, whose
             running statistics are updated once per batch instead of once per microbatch.
@@ -130,7 +127,8 @@ class PipeStrategy(DDPStrategy):
         self,
         pipe_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
-        schedule: Literal["1f1b", "gpipe", "zb_h1"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zbv"] = "1f1b",
+        virtual_stages: Optional[int] = None,
         checkpoint: Union[Literal["always", "except_last", "never"], bool] = "never",
         deferred_batch_norm: bool = False,
         balance: Optional[Union[List[int], Literal["parameters", "time", "memory", "flops"]]] = None,
@@ -151,13 +149,9 @@ class PipeStrategy(DDPStrategy):
         for name, value in (("pipe_size", pipe_size), ("num_microbatches", num_microbatches)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigurationError(f"PipeStrategy({name}={value!r}): give a positive integer or None")
-        if ALL_SCHEDULES.get(schedule) is not None and ALL_SCHEDULES[schedule].stages_per_rank != 1:
-            raise ConfigurationError(
-                f"PipeStrategy(schedule={schedule!r}): the schedule places several stages on each rank, and "
-                f"PipeStrategy runs one stage per rank; choose one of {sorted(STRATEGY_SCHEDULES)}, or run "
-                f"{schedule!r} through the plain API (lightning_pipe.Interleaved1F1B / ZeroBubbleV)")
-        for name, value, allowed in (("schedule", schedule, sorted(STRATEGY_SCHEDULES)), ("loss_reduction", loss_reduction,
-                                     list(LOSS_REDUCTIONS)), ("start_method", start_method, ["popen"])):
+        self.stages_per_rank = check_schedule(schedule, virtual_stages)
+        for name, value, allowed in (("loss_reduction", loss_reduction, list(LOSS_REDUCTIONS)),
+                                     ("start_method", start_method, ["popen"])):
             if value not in allowed:
                 raise ConfigurationError(f"PipeStrategy({name}={value!r}): choose one of {allowed}" + (
                     "; the spawn and fork launchers copy rank 0's (split) module back into the main process, which "
@@ -168,6 +162,7 @@ class PipeStrategy(DDPStrategy):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )
         self.pipe_size, self.num_microbatches, self.schedule = pipe_size, num_microbatches, schedule
+        self.virtual_stages = virtual_stages
         self.checkpoint = check_checkpoint(checkpoint)
         self.deferred_batch_norm, self.balance, self.body = deferred_batch_norm, balance, body
         self.loss_reduction, self.gather_full_model = loss_reduction, gather_full_model
@@ -197,6 +192,7 @@ class PipeStrategy(DDPStrategy):
 
     @property
     def stage_index(self) -> int:
+        """This process's rank in its pipeline: its stage, or with several stages per process the lowest."""
         return self.global_rank // self.dp_size
 
     @property
@@ -204,8 +200,24 @@ class PipeStrategy(DDPStrategy):
         return self.global_rank % self.dp_size
 
     @property
+    def stage_ranks(self) -> tuple:
+        """The pipeline rank of each stage: ``(0, 1, 0, 1)`` for 2 processes with 2 stages each."""
+        return ALL_SCHEDULES[self.schedule].stage_ranks(self.pp_size, self.stages_per_rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this process holds the first stage (it runs the user's step up to the body)."""
+        return self.stage_index == 0
+
+    @property
     def is_last_stage(self) -> bool:
-        return self.stage_index == self.pp_size - 1
+        """Whether this process holds the last stage (it computes the loss and logs; under ZB-V process 0)."""
+        return self.stage_index == self.stage_ranks[-1]
+
+    @property
+    def _last_rank(self) -> int:
+        """The global rank holding this pipeline's last stage (the source of what it shares)."""
+        return self._pp_ranks[self.stage_ranks[-1]]
 
     @property
     def pipeline(self) -> Optional[Pipeline]:
@@ -222,6 +234,17 @@ class PipeStrategy(DDPStrategy):
                 f"PipeStrategy(pipe_size={self.pipe_size}) must divide the number of processes (devices x num_nodes = "
                 f"{self.world_size}); use a pipe_size among {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
             )
+        if self.stages_per_rank > 1 and self.pp_size < 2:
+            raise ConfigurationError(
+                f"PipeStrategy(schedule={self.schedule!r}"
+                + (f", virtual_stages={self.virtual_stages}" if self.virtual_stages is not None else "") + ") places "
+                f"{self.stages_per_rank} stages on each process of a pipeline of several, but pipe_size is {self.pp_size} "
+                f"({self.world_size} processes); use pipe_size >= 2, or schedule='1f1b' without virtual_stages")
+        if self.stages_per_rank > 1 and self._get_process_group_backend() == "nccl":
+            raise ConfigurationError(
+                f"PipeStrategy(schedule={self.schedule!r}): {self.stages_per_rank} stages per "
+                "process are not supported over NCCL yet (its grouped sends and receives could wait on each other "
+                "across two stages); use process_group_backend='gloo', or one stage per process")
         super().setup_environment()
         mesh = init_device_mesh(self.root_device.type, (self.pp_size, self.dp_size), mesh_dim_names=("pp", "dp"))
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
@@ -243,17 +266,22 @@ class PipeStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         m = self.num_microbatches or 2 * self.pp_size
+        stand_in = self.split.stand_in
+        modules = [self._runner.first_stage() if s == 0 else stand_in.chunk(k) for k, s in enumerate(stand_in.stages)]
         self._pipeline = Pipeline(
-            self._runner.first_stage() if self.stage_index == 0 else self.split.stand_in, chunks=m,
-            process_group=self.pp_group, schedule=self.schedule, timeout=self._timeout or default_pg_timeout,
-            # the first stage checkpoints the body's layers itself (see FirstStage), never the user's step
-            checkpoint=self.checkpoint if self.stage_index > 0 else "never", device=self.root_device,
+            modules if len(modules) > 1 else modules[0], chunks=m, process_group=self.pp_group, schedule=self.schedule,
+            timeout=self._timeout or default_pg_timeout, checkpoint=self.checkpoint, device=self.root_device,
             # a block's extra arguments may be None in one microbatch and a tensor in the next
-            variable_messages=isinstance(self.split.stand_in, PipelinedLayerList),
+            variable_messages=isinstance(stand_in, PipelinedLayerList),
+            virtual_stages=self.stages_per_rank if self.stages_per_rank > 1 else None,
         )
+        for stage in self._pipeline.stages:  # the first stage checkpoints the body's layers itself (see FirstStage),
+            if stage.stage_index == 0:        # never the user's step
+                stage.checkpoint = "never"
         self._pipeline.errors.watch_job = True  # replicas cannot go on once any rank failed
         self._overlapped: Optional[set] = None  # parameters averaged over replicas inside the step (ids)
         self._overlap_decided = self._synced_in_step = False
+        self._runner.runs_whole_too = self.pp_size > 1 and self.is_first_stage and self.is_last_stage
         self._effects.num_microbatches = m
         for metric in (m for m in module.modules() if isinstance(m, logs.Metric) and m.process_group is None):
             metric.process_group = self.dp_group
@@ -268,9 +296,12 @@ class PipeStrategy(DDPStrategy):
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             if self.pp_size > 1 and hooks.overrides_optimizer_step_hook(module, trainer.callbacks):
                 hooks.combine_optimizer_step_logs(self)
-            rank_zero_info(f"PipeStrategy: {self.pp_size} stages x {self.dp_size} replicas, schedule {self.schedule}, "
+            v = self.stages_per_rank
+            stages = f"{self.pp_size} stages" if v == 1 else f"{self.pp_size * v} stages ({v} per process)"
+            rank_zero_info(f"PipeStrategy: {stages} x {self.dp_size} replicas, schedule {self.schedule}, "
                            f"{m} microbatches, checkpoint {self.checkpoint}, body `{self.split.path}`, ideal bubble "
-                           f"{ideal_bubble(self.schedule, self.pp_size, m):.1%}\n" + "\n".join(self._stage_rows()))
+                           f"{ideal_bubble(self.schedule, self.pp_size, m, v if v > 1 else None):.1%}\n"
+                           + "\n".join(self._stage_rows()))
             trainer.callbacks.insert(0, hooks.BodySwap(self, whole=True))  # the summary sees the whole model
             trainer.callbacks.append(hooks.BodySwap(self, whole=False))
         self.setup_precision_plugin()
@@ -298,7 +329,7 @@ class PipeStrategy(DDPStrategy):
 
     # -- training ------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module, first, last = self.lightning_module, self.stage_index == 0, self.is_last_stage
+        module, first, last = self.lightning_module, self.is_first_stage, self.is_last_stage
         self._runner.begin("training_step", args[1:], self._pipeline)
         executor = self._pipeline.executor
         measure = self.log_pipeline_metrics and self.pp_size > 1 and module.trainer._logger_connector.should_update_logs
@@ -312,7 +343,7 @@ class PipeStrategy(DDPStrategy):
             with self._recorder.recording(), release.calls_recorded() as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
-                    criterion=self._runner.criterion if last and not first else None,  # one stage: FirstStage's loss
+                    criterion=self._runner.criterion if last and self.pp_size > 1 else None,  # one stage: FirstStage's loss
                     loss_scale=scaling.loss_scale(self.precision_plugin, self.root_device)
                     / module.trainer.accumulate_grad_batches, sync_replicas=overlap,
                 )
@@ -397,7 +428,7 @@ class PipeStrategy(DDPStrategy):
         module, last = self.lightning_module, self.is_last_stage
         payload = (summary, logs.metric_states(module, self.split.path)) if last else None
         if self.pp_size > 1:
-            payload = broadcast_object(payload, self._pp_ranks[-1], self.pp_group, self._object_device())
+            payload = broadcast_object(payload, self._last_rank, self.pp_group, self._object_device())
         (loss, calls, extras, normalizer), metric_states = payload
         if not last:
             logs.load_metric_states(module, metric_states, self.root_device)
@@ -432,7 +463,7 @@ class PipeStrategy(DDPStrategy):
             with context:
                 return getattr(self.lightning_module, hook)(*args)
         with context:
-            outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.stage_index == 0,
+            outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.is_first_stage,
                                                      self.is_last_stage)
         _, extras, _ = self._share_results(summary)
         return extras.get("outputs", outputs)  # predictions on every rank; the step's merged output on the last
@@ -450,7 +481,7 @@ class PipeStrategy(DDPStrategy):
         """Epoch end: the attributes the last stage's steps built, to every stage (see :mod:`.hooks`)."""
         if self.pp_size > 1 and self.split is not None and self.split.installed:
             state = self._effects.shared_state() if self.is_last_stage else None
-            state = broadcast_object(state, self._pp_ranks[-1], self.pp_group, self._object_device())
+            state = broadcast_object(state, self._last_rank, self.pp_group, self._object_device())
             if not self.is_last_stage:
                 self._effects.load_shared_state(move_data_to_device(state, self.root_device))
 
@@ -575,6 +606,11 @@ class PipeStrategy(DDPStrategy):
             strategy_registry.register(
                 name, cls, description=f"Pipeline parallelism with the {schedule} schedule", schedule=schedule
             )
+        strategy_registry.register(
+            "pipe_interleaved_1f1b", cls, description="Pipeline parallelism with interleaved 1F1B, 2 stages per process",
+            schedule="interleaved_1f1b", virtual_stages=2,
+        )
+        strategy_registry.register("pipe_zbv", cls, description="Pipeline parallelism with the zbv schedule", schedule="zbv")
 
 
 PipeStrategy.register_strategies(StrategyRegistry)
