@@ -57,14 +57,22 @@ class Model(pl.LightningModule):
 
 
 class StepTimer(pl.Callback):
+    """Times each Lightning step, then one plain-API step in the same processes right after it, so
+    that both series see the same machine (alternating, not one run after the other: on a shared
+    machine the speed drifts by more than the difference measured)."""
+
     def __init__(self) -> None:
-        self.times, self._start = [], 0.0
+        self.times, self.plain_times, self._start, self._plain = [], [], 0.0, None
+
+    def on_train_start(self, trainer, pl_module):
+        self._plain = PlainSteps(dist.get_rank())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.times.append(time.perf_counter() - self._start)
+        self.plain_times.append(self._plain.step(batch_idx))
 
 
 def data() -> torch.utils.data.TensorDataset:
@@ -73,25 +81,27 @@ def data() -> torch.utils.data.TensorDataset:
                                           torch.randn(BATCH * STEPS, WIDTH, generator=g))
 
 
-def plain_steps(rank: int) -> list:
-    """The same stages, microbatches and optimizer through the plain API, in this process."""
-    torch.manual_seed(0)
-    whole = Model()
-    layers = list(whole.body)
-    stage = nn.Sequential(whole.embed, *layers[: DEPTH]) if rank == 0 else nn.Sequential(*layers[DEPTH:], whole.head)
-    pipe = lightning_pipe.PipeDream(stage, chunks=MICROBATCHES)
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
-    x, y = data().tensors
-    times = []
-    for step in range(STEPS):
-        xb, yb = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
+class PlainSteps:
+    """The same stages, microbatches and optimizer through the plain API (its own copy of the model)."""
+
+    def __init__(self, rank: int) -> None:
+        torch.manual_seed(0)
+        whole = Model()
+        layers = list(whole.body)
+        stage = nn.Sequential(whole.embed, *layers[: DEPTH]) if rank == 0 else nn.Sequential(*layers[DEPTH:], whole.head)
+        self.rank = rank
+        self.pipe = lightning_pipe.PipeDream(stage, chunks=MICROBATCHES)
+        self.optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
+        self.x, self.y = data().tensors
+
+    def step(self, step: int) -> float:
+        xb, yb = (t[step * BATCH:(step + 1) * BATCH] for t in (self.x, self.y))
         start = time.perf_counter()
-        pipe.forward_backward(*((xb,) if rank == 0 else ()), labels=(yb,) if rank == 1 else (),
-                              criterion=nn.functional.mse_loss if rank == 1 else None)
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-    return times
+        self.pipe.forward_backward(*((xb,) if self.rank == 0 else ()), labels=(yb,) if self.rank == 1 else (),
+                                   criterion=nn.functional.mse_loss if self.rank == 1 else None)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return time.perf_counter() - start
 
 
 def main() -> None:
@@ -105,12 +115,11 @@ def main() -> None:
     )
     loader = torch.utils.data.DataLoader(data(), batch_size=BATCH)
     trainer.fit(Model(), loader)
-    rank = dist.get_rank()
-    plain = plain_steps(rank)
-    if rank == 0:
-        ours, base = statistics.median(timer.times[WARMUP:]), statistics.median(plain[WARMUP:])
+    if dist.get_rank() == 0:
+        ours, base = statistics.median(timer.times[WARMUP:]), statistics.median(timer.plain_times[WARMUP:])
         print(f"model: embed + {DEPTH} x (Linear({WIDTH}) + ReLU) + head, batch {BATCH} in {MICROBATCHES} "
-              f"microbatches, 2 stages, 1F1B, AdamW, 1 thread per rank, gloo; median of {STEPS - WARMUP} steps")
+              f"microbatches, 2 stages, 1F1B, AdamW, 1 thread per rank, gloo; median of {STEPS - WARMUP} steps, "
+              "each Lightning step followed by a plain one")
         print(f"lightning PipeStrategy step: {1e3 * ours:.2f} ms")
         print(f"plain PipeDream step:        {1e3 * base:.2f} ms")
         print(f"glue_vs_plain={ours / base:.3f}")
