@@ -40,7 +40,13 @@ class _Counter:
 
     def pack(self, tensor):
         self.count(tensor)
-        return tensor
+        # Saved as a detached alias (same storage, so the same bytes and lifetime): a node that saves
+        # its own output would otherwise hold that output, whose grad_fn is the node, through the
+        # hook's packed object, a reference cycle autograd only breaks when a backward frees the
+        # graph. A split backward keeps the graph for W (retain_graph), so each step leaked the
+        # activations of every microbatch (about 8 MiB a step on benchmarks/pipeline_efficiency.py's
+        # stages under ZB-H1), and steps slowed down as memory grew.
+        return tensor.detach()
 
 
 class ActivationMeter:
