@@ -101,19 +101,19 @@ def test_cli_with_shipped_config(tmp_path):
 
 def test_digits_unet_example_trains(tmp_path):
     """The U-Net on scikit-learn's bundled digits: skips across 2 stages, deferred BatchNorm,
-    ``checkpoint="except_last"``; 3 epochs (66 steps) reach about 0.99 validation accuracy."""
+    ``checkpoint="except_last"``; 2 epochs (44 steps) here, well past 0.8 validation accuracy (the example's 3 reach about 0.99)."""
     import pytest
 
     pytest.importorskip("sklearn")  # load_digits reads data shipped inside scikit-learn, no download
     script = os.path.join(ROOT, "examples", "digits_unet", "train.py")
-    output = run([sys.executable, script, "--devices", "2", "--pipe-size", "2", "--max-epochs", "3",
+    output = run([sys.executable, script, "--devices", "2", "--pipe-size", "2", "--max-epochs", "2",
                   "--root", str(tmp_path)], tmp_path)
     assert "PipeStrategy: 2 stages x 1 replicas, schedule 1f1b, 4 microbatches, checkpoint except_last" in output, \
         output[-3000:]
     match = re.search(r"trained (\d+) steps .* final val_acc ([\d.]+)", output)
     assert match, output[-3000:]
     steps, logged = int(match.group(1)), float(match.group(2))
-    assert steps == 3 * 22, output[-3000:]  # 1438 training images in batches of 64, the last one dropped
+    assert steps == 2 * 22, output[-3000:]  # 1438 training images in batches of 64, the last one dropped
     assert logged > 0.8, output[-3000:]
     # the whole model gathered after fit, run in one process, agrees with what the pipeline logged
     gathered = float(re.search(r"gathered model in one process: val_acc ([\d.]+)", output).group(1))
@@ -122,4 +122,4 @@ def test_digits_unet_example_trains(tmp_path):
     assert f"BatchNorm running statistics updated [{steps}] times" in output, output[-3000:]
     with open(tmp_path / "digits_unet" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    assert sum(1 for r in rows if r["val_acc"]) == 3, rows
+    assert sum(1 for r in rows if r["val_acc"]) == 2, rows
