@@ -45,8 +45,9 @@ class _Counter:
         # hook's packed object, a reference cycle autograd only breaks when a backward frees the
         # graph. A split backward keeps the graph for W (retain_graph), so each step leaked the
         # activations of every microbatch (about 8 MiB a step on benchmarks/pipeline_efficiency.py's
-        # stages under ZB-H1), and steps slowed down as memory grew.
-        return tensor.detach()
+        # stages under ZB-H1), and steps slowed down as memory grew. The version is kept because
+        # autograd skips its in-place check for tensors saved through hooks (see _unpack).
+        return tensor.detach(), tensor._version
 
 
 class ActivationMeter:
@@ -140,7 +141,16 @@ class ActivationMeter:
         self.peak_bytes = self.held_bytes
 
 
-def _identity(tensor):
+def _unpack(packed):
+    """The saved tensor, after autograd's own check that nothing changed it in place since it was saved."""
+    tensor, version = packed
+    if tensor._version != version:  # the alias shares the original's version counter
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"{type(tensor).__name__} of shape {list(tensor.shape)} was saved at version {version} and is now at "
+            f"version {tensor._version}; use an out-of-place operation instead (autograd raises the same error "
+            "without a pipeline)"
+        )
     return tensor
 
 
@@ -148,7 +158,7 @@ class _Recording(torch.autograd.graph.saved_tensors_hooks):
     """The hooks of one :meth:`ActivationMeter.record`: count while the forward saves tensors."""
 
     def __init__(self, meter: ActivationMeter, key: Hashable, counter: _Counter) -> None:
-        super().__init__(counter.pack, _identity)
+        super().__init__(counter.pack, _unpack)
         self.meter, self.key, self.counter = meter, key, counter
 
     def __exit__(self, *exc) -> None:

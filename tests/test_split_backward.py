@@ -142,3 +142,33 @@ def test_no_activation_outlives_its_step(schedule, checkpoint):
 
     ((made, alive),) = run(_activations_left_after_steps, 1, schedule, checkpoint, timeout=60)
     assert made >= 3 * 4 * 2 and alive == 0, (made, alive)
+
+
+class _ExpThenAddInPlace(nn.Module):
+    def forward(self, x):
+        y = x.exp()  # exp saves its output for the backward...
+        y.add_(1)  # ...which this changes: autograd refuses the backward
+        return y
+
+
+def _backward_after_an_in_place_change(rank, world_size, schedule):
+    import torch.nn.functional as F
+
+    from lightning_pipe import Pipeline
+
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4), _ExpThenAddInPlace()), chunks=2, schedule=schedule)
+    pipe.forward_backward(torch.randn(4, 4), criterion=F.mse_loss, labels=(torch.randn(4, 4),))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_saved_tensor_changed_in_place_fails_as_without_a_pipeline(schedule):
+    """Regression: autograd skips its in-place check for tensors saved through hooks, and every stage
+    saves through the activation meter's, so such a model trained on wrong gradients in a pipeline
+    where plain PyTorch raises."""
+    from tests.distributed import run
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _ExpThenAddInPlace()(torch.zeros(2, requires_grad=True)).sum().backward()
+    ((outcome, (name, message, _)),) = run(_backward_after_an_in_place_change, 1, schedule, timeout=60,
+                                           expect_errors=True)
+    assert outcome == "error" and "modified by an inplace operation" in message, (outcome, name, message)
