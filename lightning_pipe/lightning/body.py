@@ -122,6 +122,11 @@ class StandIn:
         self.checkpoint_layers = False
         self.calls = 0
 
+    def chunk(self, k: int) -> nn.Module:
+        """What the pipeline runs for this rank's ``k``-th stage (the stand-in itself when it holds one;
+        subclasses set ``chunks``)."""
+        return self.chunks[k]
+
     def begin_step(self, mode: str, replacement: Optional[tuple] = None, checkpoint_layers: bool = False) -> None:
         self.mode, self.replacement, self.checkpoint_layers, self.calls = mode, replacement, checkpoint_layers, 0
 
@@ -174,10 +179,6 @@ class PipelinedSequential(StandIn, nn.Sequential):
         self.multi_value = multi_value
         # not registered: the layers' names stay the body's own (a second path would add state-dict keys)
         self.__dict__["chunks"] = [self] if len(layers) == 1 else [SequentialChunk(self, part) for part in layers]
-
-    def chunk(self, k: int) -> nn.Module:
-        """What the pipeline runs for this rank's ``k``-th stage."""
-        return self.chunks[k]
 
     def run_layers(self, *inputs, layers: Optional[nn.Sequential] = None):
         layers = self if layers is None else layers

@@ -161,10 +161,6 @@ class PipelinedLayerList(StandIn, nn.Module):
         # not registered: the blocks' names stay the list's own
         self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
 
-    def chunk(self, k: int) -> nn.Module:
-        """What the pipeline runs for this rank's ``k``-th stage."""
-        return self.chunks[k]
-
     def __len__(self) -> int:
         return self.length
 

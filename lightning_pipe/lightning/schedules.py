@@ -11,9 +11,6 @@ from typing import Optional
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.schedule import ALL_SCHEDULES, make_table, simulate
 
-# the schedules PipeStrategy runs: one stage per rank, interleaved 1F1B's several (Megatron order), ZB-V's V
-STRATEGY_SCHEDULES = tuple(ALL_SCHEDULES)
-
 
 def check_schedule(schedule: str, virtual_stages: Optional[int]) -> int:
     """The stages per rank that ``schedule`` runs with ``virtual_stages``; a named error for what does not fit.
@@ -24,7 +21,7 @@ def check_schedule(schedule: str, virtual_stages: Optional[int]) -> int:
     """
     spec = ALL_SCHEDULES.get(schedule)
     if spec is None:
-        raise ConfigurationError(f"PipeStrategy(schedule={schedule!r}): choose one of {sorted(STRATEGY_SCHEDULES)}")
+        raise ConfigurationError(f"PipeStrategy(schedule={schedule!r}): choose one of {sorted(ALL_SCHEDULES)}")
     if virtual_stages is not None and (not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool)
                                        or virtual_stages < 1):
         raise ConfigurationError(f"PipeStrategy(virtual_stages={virtual_stages!r}): give a positive integer or None")
