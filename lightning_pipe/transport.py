@@ -104,7 +104,7 @@ class PendingRecv:
 
 # Message tags: one FIFO stream per kind of message and direction on each link. gloo matches a
 # receive to a send by (peer, tag) in posting order, so posting receives ahead is safe per tag.
-ACTIVATIONS, GRADIENTS, SKIPS, SKIP_GRADIENTS, HEADER = 0, 1, 2, 3, 4
+ACTIVATIONS, GRADIENTS, SKIPS, SKIP_GRADIENTS, HEADER, OBJECTS = 0, 1, 2, 3, 4, 5
 _DATA_OF_GRADIENT = {GRADIENTS: ACTIVATIONS, SKIP_GRADIENTS: SKIPS}
 
 
@@ -240,6 +240,24 @@ class Transport:
         elif recv.works:
             self.errors.wait(recv.works[0] if len(recv.works) == 1 else _Works(recv.works), what)
         return tuple(b.requires_grad_(True) if rg else b for b, rg in zip(recv.buffers, recv.requires_grad))
+
+    # -- bytes (what the Lightning glue shares each step) ------------------------------------------
+    def send_bytes(self, data: bytes, peers: Sequence[int], what: str) -> None:
+        """Send ``data`` to the group ranks ``peers`` (gloo), waiting until it has left."""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        group = self._process_group
+        works = [group.send([tensor], peer, OBJECTS) for peer in peers for tensor in (size, payload)]
+        self.errors.wait(_Works(works), what)
+
+    def recv_bytes(self, peer: int, what: str) -> bytes:
+        """The bytes group rank ``peer`` sends with :meth:`send_bytes`."""
+        group = self._process_group
+        size = torch.empty(1, dtype=torch.int64)
+        self.errors.wait(group.recv([size], peer, OBJECTS), what)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        self.errors.wait(group.recv([payload], peer, OBJECTS), what)
+        return payload.numpy().tobytes()
 
     def finish(self) -> None:
         """Wait until every send of the step has left."""

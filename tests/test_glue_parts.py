@@ -7,7 +7,10 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_pipe.lightning.logs import bind_log_call
-from lightning_pipe.lightning.objects import broadcast_object
+from torch import nn
+
+from lightning_pipe import Pipeline, partition
+from lightning_pipe.lightning.objects import broadcast_object, share_object
 from tests.distributed import run
 
 LOG_CALLS = [
@@ -47,10 +50,13 @@ def _payload():
     }
 
 
-def _broadcast(rank, world_size):
-    obj = broadcast_object(_payload() if rank == 1 else None, 1, torch.distributed.group.WORLD)
+def _described(obj):
     return {k: (v.dtype, v.tolist(), v.requires_grad) if isinstance(v, torch.Tensor) else v
             for k, v in obj.items() if k != "calls"}, obj["calls"][0]["value"].item()
+
+
+def _broadcast(rank, world_size):
+    return _described(broadcast_object(_payload() if rank == 1 else None, 1, torch.distributed.group.WORLD))
 
 
 def test_broadcast_object_gives_every_rank_the_same_values_and_dtypes():
@@ -58,3 +64,27 @@ def test_broadcast_object_gives_every_rank_the_same_values_and_dtypes():
     assert received == sent and value == sent_value == 0.25
     assert received["bf16"][0] is torch.bfloat16 and received["neg"][1] == [-0.0, -1.0, -2.0]
     assert received["grad"][2] is True and received["strided"][1] == torch.arange(12.0).reshape(3, 4).t().tolist()
+
+
+def _share(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world_size)])
+    pipe = Pipeline(partition(model, rank, world_size), chunks=2)
+    shared = []
+    for step, src in enumerate((1, 2, 0)):  # between pipeline steps, from a middle, the last and the first rank
+        pipe.forward_backward(*((torch.randn(4, 4),) if rank == 0 else ()), labels=(torch.randn(4, 4),) if rank == 2 else (),
+                              criterion=nn.functional.mse_loss if rank == 2 else None)
+        payload = _payload() if rank == src else None
+        if payload is not None:
+            payload["n"] = step
+        shared.append(_described(share_object(payload, pipe.transport, src)))
+    return shared
+
+
+def test_share_object_gives_every_pipeline_rank_what_the_source_sent():
+    results = run(_share, 3, timeout=60)
+    for step in range(3):
+        (received, value), expected = results[0][step], _described({**_payload(), "n": step})
+        assert received == expected[0] and value == expected[1] == 0.25
+        assert all(r[step] == results[0][step] for r in results)
+    assert results[1][0][0]["bf16"][0] is torch.bfloat16 and results[1][0][0]["grad"][2] is True

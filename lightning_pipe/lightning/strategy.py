@@ -41,7 +41,7 @@ from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
 from lightning_pipe.lightning.layout import gather_whole_model, object_device, plan
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
-from lightning_pipe.lightning.objects import broadcast_object
+from lightning_pipe.lightning.objects import broadcast_object, share_object
 from lightning_pipe.lightning.schedules import check_schedule, ideal_bubble
 from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.state import Checkpoints
@@ -428,7 +428,7 @@ class PipeStrategy(DDPStrategy):
         module, last = self.lightning_module, self.is_last_stage
         payload = (summary, logs.metric_states(module, self.split.path)) if last else None
         if self.pp_size > 1:
-            payload = broadcast_object(payload, self._last_rank, self.pp_group, self._object_device())
+            payload = share_object(payload, self._pipeline.transport, self.stage_ranks[-1])
         (loss, calls, extras, normalizer), metric_states = payload
         if not last:
             logs.load_metric_states(module, metric_states, self.root_device)
