@@ -33,7 +33,7 @@ def _measure(rank: int, world: int, store_path: str, args, results) -> None:
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     for schedule, cls in SCHEDULES.items():
         for mode in MODES:
-            pipe = cls(partition(model, rank, world), chunks=args.chunks, checkpoint=mode)
+            pipe = cls(partition(model, rank, world), chunks=args.chunks, checkpoint=mode, count_activations=True)
             pipe.forward_backward(x, criterion=nn.functional.mse_loss, labels=(y,))
             results.put((schedule, mode, rank, pipe.stage.meter.peak_bytes))
     dist.destroy_process_group()

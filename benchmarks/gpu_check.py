@@ -47,7 +47,7 @@ def _nccl_rank(rank: int, world: int, store_path: str, results) -> None:
             stage = partition(copy.deepcopy(full), rank, world)
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            pipe = cls(stage, chunks=8)
+            pipe = cls(stage, chunks=8, count_activations=True)
             loss, _ = pipe.forward_backward(x, criterion=nn.functional.mse_loss, labels=(y,))
             torch.cuda.synchronize()
             grads = dict(reference.named_parameters())

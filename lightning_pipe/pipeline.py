@@ -24,7 +24,7 @@ from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel
-from lightning_pipe.memory import ActivationMeter
+from lightning_pipe.memory import ActivationMeter, MeterOff
 from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, scatter
 from lightning_pipe.partition import TIES_ATTRIBUTE
 from lightning_pipe.replicas import ReplicaSync
@@ -108,6 +108,9 @@ class Pipeline(Tracing):
         dp_group: the data-parallel group of this rank's stages (its replicas). With it,
             :meth:`forward_backward` averages the gradients over the replicas, overlapped with the
             backward (see :mod:`lightning_pipe.replicas`), unless ``sync_replicas=False``.
+        count_activations: count the activation bytes autograd saves, per stage (``stages[k].meter``)
+            and for the rank (``meter``): ``held_bytes``, ``peak_bytes``, exact. Off by default: the
+            count hooks every saved tensor, which costs time (see :mod:`lightning_pipe.memory`).
 
     Raises:
         ConfigurationError: a bad argument, raised on every rank before any communication.
@@ -128,6 +131,7 @@ class Pipeline(Tracing):
         variable_messages: bool = False,
         virtual_stages: Optional[int] = None,
         dp_group: Optional[dist.ProcessGroup] = None,
+        count_activations: bool = False,
     ) -> None:
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
@@ -152,7 +156,7 @@ class Pipeline(Tracing):
         self._place()
         self.skip_layout = self._skip_layout(modules)
         device = device if device is not None else _device_of(modules, self.group)
-        self._build_stages(modules, checkpoint, device, dp_group)
+        self._build_stages(modules, checkpoint, device, dp_group, count_activations)
         self._setup_communication(timeout, device)
         self._rows: Dict[Tuple[str, int], tuple] = {}
         self._signature = None
@@ -179,10 +183,12 @@ class Pipeline(Tracing):
         self.holds_last = len(self.stage_ranks) - 1 in self.stage_indices
 
     def _build_stages(self, modules: List[nn.Module], checkpoint: str, device: torch.device,
-                      dp_group: Optional[dist.ProcessGroup]) -> None:
-        self.meter = ActivationMeter()  # this rank's activation bytes, all its stages together
+                      dp_group: Optional[dist.ProcessGroup], count_activations: bool) -> None:
+        # this rank's activation bytes, all its stages together
+        self.meter = ActivationMeter() if count_activations else MeterOff()
         self.stages = [
-            Stage(m, s, len(self.stage_ranks), checkpoint, device, self.spec.split_backward, self.meter)
+            Stage(m, s, len(self.stage_ranks), checkpoint, device, self.spec.split_backward, self.meter,
+                  count_activations)
             for m, s in zip(modules, self.stage_indices)
         ]
         self.ties = TiedGradients(getattr(modules[0], TIES_ATTRIBUTE, ()), modules, self.pp_rank, self.group)

@@ -42,10 +42,12 @@ class GPipe(Pipeline):
         timeout: timedelta = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
         dp_group: Optional[dist.ProcessGroup] = None,
+        count_activations: bool = False,
     ) -> None:
         super().__init__(
             module, chunks, process_group, batch_dim, checkpoint, "gpipe", broadcast_outputs, timeout,
             deferred_batch_norm=deferred_batch_norm, dp_group=dp_group,
+            count_activations=count_activations,
         )
 
 
@@ -62,10 +64,12 @@ class PipeDream(Pipeline):
         timeout: timedelta = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
         dp_group: Optional[dist.ProcessGroup] = None,
+        count_activations: bool = False,
     ) -> None:
         super().__init__(
             module, chunks, process_group, batch_dim, checkpoint, "1f1b", False, timeout,
             deferred_batch_norm=deferred_batch_norm, dp_group=dp_group,
+            count_activations=count_activations,
         )
 
 
@@ -89,10 +93,12 @@ class Interleaved1F1B(Pipeline):
         timeout: timedelta = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
         dp_group: Optional[dist.ProcessGroup] = None,
+        count_activations: bool = False,
     ) -> None:
         super().__init__(
             list(modules), chunks, process_group, batch_dim, checkpoint, "interleaved_1f1b", broadcast_outputs,
             timeout, deferred_batch_norm=deferred_batch_norm, virtual_stages=len(modules), dp_group=dp_group,
+            count_activations=count_activations,
         )
 
 
@@ -114,10 +120,12 @@ class ZeroBubbleH1(Pipeline):
         timeout: timedelta = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
         dp_group: Optional[dist.ProcessGroup] = None,
+        count_activations: bool = False,
     ) -> None:
         super().__init__(
             module, chunks, process_group, batch_dim, checkpoint, "zb_h1", broadcast_outputs, timeout,
             deferred_batch_norm=deferred_batch_norm, dp_group=dp_group,
+            count_activations=count_activations,
         )
 
 
@@ -141,8 +149,10 @@ class ZeroBubbleV(Pipeline):
         timeout: timedelta = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
         dp_group: Optional[dist.ProcessGroup] = None,
+        count_activations: bool = False,
     ) -> None:
         super().__init__(
             list(modules), chunks, process_group, batch_dim, checkpoint, "zbv", broadcast_outputs, timeout,
             deferred_batch_norm=deferred_batch_norm, dp_group=dp_group,
+            count_activations=count_activations,
         )

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_pipe import rng
 from lightning_pipe.checkpoint import Recomputation, checkpointed, should_checkpoint
 from lightning_pipe.errors import PipelineStepError
-from lightning_pipe.memory import ActivationMeter
+from lightning_pipe.memory import ActivationMeter, MeterOff
 from lightning_pipe.skip.skippable import Skippable
 from lightning_pipe.skip.tracker import Key, SkipTracker, use_tracker
 from lightning_pipe.split_backward import WeightGradients, backward_input, run_backward
@@ -53,6 +53,8 @@ class Stage:
         split_backward: whether backwards run as ``I`` then ``W`` (checkpointed forwards are
             then recomputed once for both, see :class:`~lightning_pipe.checkpoint.Recomputation`).
         meter_parent: a meter that sums this stage's activation bytes with other stages'.
+        count_activations: count the activation bytes each microbatch holds (``meter``); off, the
+            meter is a :class:`~lightning_pipe.memory.MeterOff`.
 
     Each forward of microbatch ``i`` starts from the random state ``rng.derive(step_seed, i,
     stage_index)`` when ``step_seed`` is set (the pipeline sets it every step), so dropout draws
@@ -61,7 +63,7 @@ class Stage:
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, checkpoint: str = "never",
                  device: torch.device = torch.device("cpu"), split_backward: bool = False,
-                 meter_parent: Optional[ActivationMeter] = None) -> None:
+                 meter_parent: Optional[ActivationMeter] = None, count_activations: bool = True) -> None:
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -70,7 +72,7 @@ class Stage:
         self.split_backward = split_backward
         self.step_seed: Optional[int] = None
         self.microbatch_index = 0  # of the forward running or last run
-        self.meter = ActivationMeter(module.parameters(), meter_parent)
+        self.meter = ActivationMeter(module.parameters(), meter_parent) if count_activations else MeterOff()
         self._skippable = any(isinstance(m, Skippable) for m in module.modules())
         self._pending: Dict[int, _Pending] = {}
         self._weights: Dict[int, Tuple[WeightGradients, _Pending]] = {}  # after I, until W

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe import GPipe, PipeDream, partition
+from lightning_pipe import ConfigurationError, GPipe, PipeDream, partition
 from lightning_pipe.memory import ActivationMeter
 from lightning_pipe.microbatch import microbatch_sizes
 from tests import distributed
@@ -45,7 +45,7 @@ def _peaks(rank, world, cases):
     results = {}
     for schedule, batch, chunks in cases:
         stage = partition(_model(world), rank, world, balance=[2] * world)
-        pipe = PIPELINES[schedule](stage, chunks=chunks)
+        pipe = PIPELINES[schedule](stage, chunks=chunks, count_activations=True)
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(batch, _widths(world)[0], generator=gen)
         y = torch.randn(batch, _widths(world)[-1], generator=gen)
@@ -122,3 +122,27 @@ def test_meter_counts_each_microbatch_view_of_one_batch_separately():
     assert meter.held_bytes == 2 * FLOAT32 * (2 * 3 + 2 * 3)
     meter.release(5)  # unknown microbatch: nothing held, nothing changes
     assert meter.held_bytes == 2 * FLOAT32 * 12
+
+
+def _uncounted(rank, world):
+    pipe = PIPELINES["1f1b"](partition(_model(world), rank, world, balance=[2] * world), chunks=2)
+    hooked = []
+    pipe.stage.module.register_forward_hook(
+        lambda *_: hooked.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None))
+    x, y = torch.randn(4, _widths(world)[0]), torch.randn(4, _widths(world)[-1])
+    pipe.forward_backward(x, criterion=nn.functional.mse_loss, labels=(y,))
+    errors = []
+    for read in (lambda: pipe.stage.meter.peak_bytes, lambda: pipe.meter.held_bytes, pipe.stage.meter.reset_peak):
+        try:
+            read()
+        except ConfigurationError as error:
+            errors.append(str(error))
+    return hooked, errors
+
+
+def test_counting_is_off_unless_asked_for_and_reading_a_count_then_raises():
+    """Off by default: no saved-tensor hook wraps a stage's forward (it costs time), and a count read
+    anyway raises, naming the switch, instead of answering 0."""
+    for hooked, errors in distributed.run(_uncounted, 2, timeout=60):
+        assert hooked == [False, False], hooked
+        assert len(errors) == 3 and all("count_activations=True" in e for e in errors), errors

@@ -87,7 +87,8 @@ def _peaks(rank, world, num_blocks, cases):
         balance = _balance(num_blocks, stages)
         parts = partition(_model(num_blocks), rank, world, balance, num_model_chunks=spec.virtual_stages(v),
                           placement=spec.placement)
-        pipe = Pipeline(parts, chunks=m, schedule=schedule, virtual_stages=v, checkpoint=checkpoint)
+        pipe = Pipeline(parts, chunks=m, schedule=schedule, virtual_stages=v, checkpoint=checkpoint,
+                        count_activations=True)
         Block.calls = 0
         pipe.forward_backward(torch.randn(SAMPLES * m, WIDTH))
         forwards = sum(len(p) - (1 if isinstance(p[-1], Mean) else 0) for p in parts) * m

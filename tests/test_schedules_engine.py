@@ -77,9 +77,9 @@ def _pipeline(case: Case, parts, world: int):
     if case.api == "named":
         named = {"interleaved_1f1b": Interleaved1F1B, "zb_h1": ZeroBubbleH1, "zbv": ZeroBubbleV}[case.schedule]
         return named(parts if spec.stages_per_rank != 1 else parts[0], chunks=case.chunks,
-                     checkpoint=case.checkpoint, deferred_batch_norm=deferred)
+                     checkpoint=case.checkpoint, deferred_batch_norm=deferred, count_activations=True)
     return Pipeline(parts, chunks=case.chunks, schedule=case.schedule, checkpoint=case.checkpoint,
-                    virtual_stages=case.virtual_stages, deferred_batch_norm=deferred)
+                    virtual_stages=case.virtual_stages, deferred_batch_norm=deferred, count_activations=True)
 
 
 def _compare(rank: int, world: int, case: Case) -> None:

@@ -112,7 +112,7 @@ def test_input_then_weight_gradients_equal_one_backward(name, checkpoint):
         assert recomputation.recomputed == 1
 
 
-def _activations_left_after_steps(rank, world_size, schedule, checkpoint):
+def _activations_left_after_steps(rank, world_size, schedule, checkpoint, count):
     import gc
     import weakref
 
@@ -124,7 +124,7 @@ def _activations_left_after_steps(rank, world_size, schedule, checkpoint):
     outputs = []  # each ReLU/Tanh output: its node saves it, the case that made a cycle
     for layer in (model[1], model[3]):
         layer.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
-    pipe = Pipeline(model, chunks=4, schedule=schedule, checkpoint=checkpoint)
+    pipe = Pipeline(model, chunks=4, schedule=schedule, checkpoint=checkpoint, count_activations=count)
     for _ in range(3):
         pipe.forward_backward(torch.randn(8, 8), criterion=F.mse_loss, labels=(torch.randn(8, 8),))
     gc.collect()
@@ -133,14 +133,15 @@ def _activations_left_after_steps(rank, world_size, schedule, checkpoint):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_no_activation_outlives_its_step(schedule, checkpoint):
+@pytest.mark.parametrize("count", [True, False], ids=["counted", "uncounted"])
+def test_no_activation_outlives_its_step(schedule, checkpoint, count):
     """Regression: under a split backward every step leaked its activations (ZB-H1 and ZB-V, plain
     API and PipeStrategy; +8 MiB a step on the efficiency benchmark's stages, steps slowing as memory
     grew): the activation meter's saved-tensor hook kept each saved output, whose grad_fn is the node
     that saved it, and a graph kept for W is never freed by a backward, so the cycle stayed."""
     from tests.distributed import run
 
-    ((made, alive),) = run(_activations_left_after_steps, 1, schedule, checkpoint, timeout=60)
+    ((made, alive),) = run(_activations_left_after_steps, 1, schedule, checkpoint, count, timeout=60)
     assert made >= 3 * 4 * 2 and alive == 0, (made, alive)
 
 
@@ -151,17 +152,19 @@ class _ExpThenAddInPlace(nn.Module):
         return y
 
 
-def _backward_after_an_in_place_change(rank, world_size, schedule):
+def _backward_after_an_in_place_change(rank, world_size, schedule, count):
     import torch.nn.functional as F
 
     from lightning_pipe import Pipeline
 
-    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4), _ExpThenAddInPlace()), chunks=2, schedule=schedule)
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4), _ExpThenAddInPlace()), chunks=2, schedule=schedule,
+                    count_activations=count)
     pipe.forward_backward(torch.randn(4, 4), criterion=F.mse_loss, labels=(torch.randn(4, 4),))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_a_saved_tensor_changed_in_place_fails_as_without_a_pipeline(schedule):
+@pytest.mark.parametrize("count", [True, False], ids=["counted", "uncounted"])
+def test_a_saved_tensor_changed_in_place_fails_as_without_a_pipeline(schedule, count):
     """Regression: autograd skips its in-place check for tensors saved through hooks, and every stage
     saves through the activation meter's, so such a model trained on wrong gradients in a pipeline
     where plain PyTorch raises."""
@@ -169,6 +172,6 @@ def test_a_saved_tensor_changed_in_place_fails_as_without_a_pipeline(schedule):
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _ExpThenAddInPlace()(torch.zeros(2, requires_grad=True)).sum().backward()
-    ((outcome, (name, message, _)),) = run(_backward_after_an_in_place_change, 1, schedule, timeout=60,
+    ((outcome, (name, message, _)),) = run(_backward_after_an_in_place_change, 1, schedule, count, timeout=60,
                                            expect_errors=True)
     assert outcome == "error" and "modified by an inplace operation" in message, (outcome, name, message)
