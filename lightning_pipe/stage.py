@@ -63,7 +63,7 @@ class Stage:
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, checkpoint: str = "never",
                  device: torch.device = torch.device("cpu"), split_backward: bool = False,
-                 meter_parent: Optional[ActivationMeter] = None, count_activations: bool = True) -> None:
+                 meter_parent: Optional[ActivationMeter] = None, count_activations: bool = False) -> None:
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages

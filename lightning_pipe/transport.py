@@ -245,7 +245,7 @@ class Transport:
     def send_bytes(self, data: bytes, peers: Sequence[int], what: str) -> None:
         """Send ``data`` to the group ranks ``peers`` (gloo), waiting until it has left."""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         group = self._process_group
         works = [group.send([tensor], peer, OBJECTS) for peer in peers for tensor in (size, payload)]
         self.errors.wait(_Works(works), what)
