@@ -5,11 +5,10 @@ import inspect
 import pytest
 import torch
 from lightning.pytorch import LightningModule
-
-from lightning_pipe.lightning.logs import bind_log_call
 from torch import nn
 
 from lightning_pipe import Pipeline, partition
+from lightning_pipe.lightning.logs import bind_log_call
 from lightning_pipe.lightning.objects import broadcast_object, share_object
 from tests.distributed import run
 
