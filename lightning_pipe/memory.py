@@ -162,8 +162,6 @@ class MeterOff:
         lightning_pipe.errors.ConfigurationError: activation bytes are counted only when asked for: build the pipeline with count_activations=True
     """
 
-    parent = None
-
     def record(self, key: Hashable, inputs: Iterable) -> nullcontext:
         return nullcontext()
 

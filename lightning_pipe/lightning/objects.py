@@ -85,7 +85,7 @@ def share_object(obj: Any, transport: Any, src: int) -> Any:
     """
     if transport.batched:
         return broadcast_object(obj, transport.ranks[src], transport.group, transport.device)
-    what = f"the step's results from pipeline rank {src}"
+    what = f"what pipeline rank {src} shares (a step's results, or the state its steps built)"
     if transport.pp_rank == src:
         transport.send_bytes(dumps(obj), [r for r in range(transport.num_ranks) if r != src], what)
         return obj

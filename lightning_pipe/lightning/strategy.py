@@ -39,9 +39,9 @@ from lightning_pipe.faults import end_launched_ranks, report_job_error
 from lightning_pipe.lightning import hooks, logs, profile, release, scaling, tracing
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
-from lightning_pipe.lightning.layout import gather_whole_model, object_device, plan
+from lightning_pipe.lightning.layout import gather_whole_model, plan
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
-from lightning_pipe.lightning.objects import broadcast_object, share_object
+from lightning_pipe.lightning.objects import share_object
 from lightning_pipe.lightning.schedules import check_schedule, ideal_bubble
 from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.state import Checkpoints
@@ -215,11 +215,6 @@ class PipeStrategy(DDPStrategy):
         return self.stage_index == self.stage_ranks[-1]
 
     @property
-    def _last_rank(self) -> int:
-        """The global rank holding this pipeline's last stage (the source of what it shares)."""
-        return self._pp_ranks[self.stage_ranks[-1]]
-
-    @property
     def pipeline(self) -> Optional[Pipeline]:
         """This rank's :class:`~lightning_pipe.Pipeline` (after setup)."""
         return self._pipeline
@@ -248,7 +243,6 @@ class PipeStrategy(DDPStrategy):
         super().setup_environment()
         mesh = init_device_mesh(self.root_device.type, (self.pp_size, self.dp_size), mesh_dim_names=("pp", "dp"))
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        self._pp_ranks = dist.get_process_group_ranks(self.pp_group)
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -438,9 +432,6 @@ class PipeStrategy(DDPStrategy):
             loss = loss / normalizer
         return loss, extras, normalizer
 
-    def _object_device(self) -> Optional[torch.device]:
-        return object_device(self.pp_group, self.root_device)
-
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
@@ -481,7 +472,7 @@ class PipeStrategy(DDPStrategy):
         """Epoch end: the attributes the last stage's steps built, to every stage (see :mod:`.hooks`)."""
         if self.pp_size > 1 and self.split is not None and self.split.installed:
             state = self._effects.shared_state() if self.is_last_stage else None
-            state = broadcast_object(state, self._last_rank, self.pp_group, self._object_device())
+            state = share_object(state, self._pipeline.transport, self.stage_ranks[-1])
             if not self.is_last_stage:
                 self._effects.load_shared_state(move_data_to_device(state, self.root_device))
 
