@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -70,6 +71,11 @@ LM_LAUNCHES = {
         _spec("llama_2x2zbv", "llama", "pipe", 4, pipe_size=2, schedule="zbv", checkpoint="except_last"),
     ],
 }
+
+
+def stop_reasons(output):
+    """{global rank: why it stopped} from the line PipeStrategy logs on each rank as it fails."""
+    return {int(rank): reason for rank, reason in re.findall(r"^\[rank: (\d+)\] stopped: (.*)$", output, re.M)}
 
 
 def launch_lm_app(tmp_path_factory, name, runs, expect_failure=False, timeout=420):

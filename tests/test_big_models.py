@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import launch_lm_app
+from tests.conftest import launch_lm_app, stop_reasons
 from tests.test_model_styles import assert_same_training
 
 
@@ -139,7 +139,9 @@ def test_a_sharded_checkpoint_with_a_missing_shard_is_refused_on_every_rank(runs
         timeout=120,
     )
     assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
-    assert output.count("MissingShardError") >= 2 and "__1_0.distcp" in output, output[-4000:]
+    reasons = stop_reasons(output)
+    assert sorted(reasons) == [0, 1] and all(r.startswith("MissingShardError") for r in reasons.values()), output[-4000:]
+    assert "__1_0.distcp" in output
 
 
 def test_balance_by_flops_counts_a_meta_built_model_without_materializing_it(runs):

@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import stop_reasons
+
 APP = os.path.join(os.path.dirname(__file__), "lightning_app.py")
 TIMEOUT = 240
 
@@ -173,7 +175,8 @@ def test_more_stages_than_layers_fails_on_every_rank(tmp_path_factory):
     output = run_app(
         tmp_path_factory, "too_deep", "--strategy", "pipe", "--devices", 3, "--depth", 1, expect_failure=True
     )
-    assert output.count("PartitionError") >= 3, output[-3000:]
+    reasons = stop_reasons(output)
+    assert sorted(reasons) == [0, 1, 2] and all(r.startswith("PartitionError") for r in reasons.values()), output[-3000:]
     assert "needs at least 3 layers" in output
 
 

@@ -14,6 +14,7 @@ still runs the precision plugin's hooks so ``on_before_backward``/``on_after_bac
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -50,6 +52,8 @@ from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import ALL_SCHEDULES
 from lightning_pipe.ties import TiedGradients
 from lightning_pipe.trace import Recorder
+
+_log = logging.getLogger(__name__)
 
 
 class _OneStep(Recorder):
@@ -551,7 +555,13 @@ class PipeStrategy(DDPStrategy):
 
     # -- the end -------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
-        """Make the whole job stop: tell every pipeline, and on the launcher end stuck ranks."""
+        """Make the whole job stop: say why on this rank, tell every pipeline, and on the launcher end
+        stuck ranks.
+
+        The reason is logged at once: the traceback prints only after teardown, and by then
+        Lightning's child-process observer may have killed this rank because another one exited.
+        """
+        _log.error(rank_prefixed_message(f"stopped: {type(exception).__name__}: {exception}", self.global_rank))
         super().on_exception(exception)
         self._failed = True  # no gathering in teardown: peers may be gone
         report_job_error(f"global rank {self.global_rank} (stage {self.stage_index}, replica {self.dp_rank}) "
