@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_pipe import Pipeline, partition
 from lightning_pipe.lightning.logs import bind_log_call
-from lightning_pipe.lightning.objects import broadcast_object, share_object
+from lightning_pipe.lightning.objects import broadcast_object, post_share, share_object
 from tests.distributed import run
 
 LOG_CALLS = [
@@ -65,25 +65,33 @@ def test_broadcast_object_gives_every_rank_the_same_values_and_dtypes():
     assert received["grad"][2] is True and received["strided"][1] == torch.arange(12.0).reshape(3, 4).t().tolist()
 
 
+SHARES = ((1, False), (2, True), (0, False), (2, True), (1, True))  # (source, receive posted before the step)
+
+
 def _share(rank, world_size):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world_size)])
     pipe = Pipeline(partition(model, rank, world_size), chunks=2)
     shared = []
-    for step, src in enumerate((1, 2, 0)):  # between pipeline steps, from a middle, the last and the first rank
+    for step, (src, ahead) in enumerate(SHARES):  # between pipeline steps, from a middle, the last and the first rank
+        posted = post_share(pipe.transport, src) if ahead else None
         pipe.forward_backward(*((torch.randn(4, 4),) if rank == 0 else ()), labels=(torch.randn(4, 4),) if rank == 2 else (),
                               criterion=nn.functional.mse_loss if rank == 2 else None)
         payload = _payload() if rank == src else None
         if payload is not None:
             payload["n"] = step
-        shared.append(_described(share_object(payload, pipe.transport, src)))
+            payload["big"] = torch.arange(2000.0 * step)  # from step 1 on, longer than the first message
+        shared.append(_described(share_object(payload, pipe.transport, src, posted)))
     return shared
 
 
 def test_share_object_gives_every_pipeline_rank_what_the_source_sent():
+    """Whether or not the receive was posted before the step, and when the data does not fit the first
+    message (the big tensor from step 1 on: 8 kB against FIRST_BYTES)."""
     results = run(_share, 3, timeout=60)
-    for step in range(3):
-        (received, value), expected = results[0][step], _described({**_payload(), "n": step})
+    for step in range(len(SHARES)):
+        (received, value), expected = results[0][step], _described({**_payload(), "n": step,
+                                                                    "big": torch.arange(2000.0 * step)})
         assert received == expected[0] and value == expected[1] == 0.25
         assert all(r[step] == results[0][step] for r in results)
     assert results[1][0][0]["bf16"][0] is torch.bfloat16 and results[1][0][0]["grad"][2] is True

@@ -43,7 +43,7 @@ from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
 from lightning_pipe.lightning.layout import gather_whole_model, plan
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
-from lightning_pipe.lightning.objects import share_object
+from lightning_pipe.lightning.objects import post_share, share_object
 from lightning_pipe.lightning.schedules import check_schedule, ideal_bubble
 from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.state import Checkpoints
@@ -338,6 +338,7 @@ class PipeStrategy(DDPStrategy):
             earlier = gradients.take_grads(module.parameters())
             if self._zeroed_after_step(module.trainer):
                 earlier = {}  # stale: Lightning zeroes them after this step; freed now, before new ones exist
+            posted = self._post_results()
             with self._recorder.recording(), release.calls_recorded() as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
@@ -353,7 +354,7 @@ class PipeStrategy(DDPStrategy):
             account = self._runner.account
             summary = (loss, self._runner.folded_logs(self._pipeline.last_sizes), account.merged_extras(),
                        account.normalizer()) if last else None
-            loss, extras, normalizer = self._share_results(summary)
+            loss, extras, normalizer = self._share_results(summary, posted)
             if normalizer != 1.0:  # the losses were weighted by num_items: divide by their total now
                 if overlap:
                     raise ConfigurationError(
@@ -421,12 +422,16 @@ class PipeStrategy(DDPStrategy):
         self._pipeline.sync_replicas_of(self.dp_group, trained)
         self._overlapped = {id(p) for p in trained}
 
-    def _share_results(self, summary: Optional[tuple]) -> tuple:
+    def _post_results(self) -> Any:
+        """Before a step: post this rank's receive of the step's results (see :func:`post_share`)."""
+        return post_share(self._pipeline.transport, self.stage_ranks[-1]) if self.pp_size > 1 else None
+
+    def _share_results(self, summary: Optional[tuple], posted: Any) -> tuple:
         """Send the last stage's loss, logs, metric states and results to the whole pipeline; log them."""
         module, last = self.lightning_module, self.is_last_stage
         payload = (summary, logs.metric_states(module, self.split.path)) if last else None
         if self.pp_size > 1:
-            payload = share_object(payload, self._pipeline.transport, self.stage_ranks[-1])
+            payload = share_object(payload, self._pipeline.transport, self.stage_ranks[-1], posted)
         (loss, calls, extras, normalizer), metric_states = payload
         if not last:
             logs.load_metric_states(module, metric_states, self.root_device)
@@ -457,10 +462,11 @@ class PipeStrategy(DDPStrategy):
         if self.pp_size == 1:
             with context:
                 return getattr(self.lightning_module, hook)(*args)
+        posted = self._post_results()
         with context:
             outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.is_first_stage,
                                                      self.is_last_stage)
-        _, extras, _ = self._share_results(summary)
+        _, extras, _ = self._share_results(summary, posted)
         return extras.get("outputs", outputs)  # predictions on every rank; the step's merged output on the last
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
