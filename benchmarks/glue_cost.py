@@ -14,8 +14,16 @@ runs: stage 0 holds ``embed`` and body layers 0-3, stage 1 body layers 4-7 and `
 * ``plain``: then, in the same two processes, :class:`lightning_pipe.PipeDream` on the same stage
   modules: ``forward_backward``, ``optimizer.step()``, ``zero_grad()``.
 
-The last line is ``glue_vs_plain=<x>``: the median Lightning step over the median plain step
-(goal: at most 1.05).
+Both steps start with a barrier outside the timed span, so that each is timed from the two ranks
+starting together. Without it, each step's time depended on the step before it: the last stage's
+optimizer step takes longer than stage 0's here (10 against 5 ms), and stage 0 then waited for the
+last stage at the start of whichever step came next, by as much as the previous step let it lag.
+
+Two parts of the difference are measured in the same steps and printed: Lightning's own
+``self.log`` call (stage 0 replays the step's call once; a plain single-device Trainer pays the
+same call, about 1.3 ms here) and the last stage's rerun of the code before the body (``embed``;
+the design reruns it so that the user's step runs unchanged). The last line is
+``glue_vs_plain=<x>``: the median Lightning step over the median plain step (goal: at most 1.05).
 
     python benchmarks/glue_cost.py      # about a minute on 2 cores; Lightning starts rank 1 itself
 """
@@ -35,8 +43,9 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lightning_pipe  # noqa: E402
+from lightning_pipe.lightning import logs  # noqa: E402
 
-WIDTH, DEPTH, BATCH, MICROBATCHES, STEPS, WARMUP = 512, 8, 64, 4, 60, 10
+WIDTH, DEPTH, BATCH, MICROBATCHES, STEPS, WARMUP = 512, 8, 64, 4, 110, 10
 
 
 class Model(pl.LightningModule):
@@ -63,16 +72,40 @@ class StepTimer(pl.Callback):
 
     def __init__(self) -> None:
         self.times, self.plain_times, self._start, self._plain = [], [], 0.0, None
+        self.log_times, self.rerun_times = [], []  # per step: stage 0's log replay, the last stage's `embed`
+        self._part = 0.0
 
     def on_train_start(self, trainer, pl_module):
         self._plain = PlainSteps(dist.get_rank())
+        replay = logs.replay
+
+        def timed_replay(*args, **kwargs):
+            start = time.perf_counter()
+            replay(*args, **kwargs)
+            self.log_times[-1] += time.perf_counter() - start
+
+        logs.replay = timed_replay  # the strategy calls logs.replay once a step, after the pipelined step
+        if trainer.strategy.is_last_stage:
+            pl_module.embed.register_forward_pre_hook(lambda *_: setattr(self, "_part", time.perf_counter()))
+            pl_module.embed.register_forward_hook(lambda *_: self._add_rerun())
+
+    def _add_rerun(self):
+        self.rerun_times[-1] += time.perf_counter() - self._part
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.log_times.append(0.0)
+        self.rerun_times.append(0.0)
+        dist.barrier()  # both steps start with the ranks together (see the module's docstring)
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.times.append(time.perf_counter() - self._start)
         self.plain_times.append(self._plain.step(batch_idx))
+
+    def on_train_end(self, trainer, pl_module):
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (self.log_times, self.rerun_times))
+        self.log_times, self.rerun_times = per_rank[0][0], per_rank[-1][1]
 
 
 def data() -> torch.utils.data.TensorDataset:
@@ -96,6 +129,7 @@ class PlainSteps:
 
     def step(self, step: int) -> float:
         xb, yb = (t[step * BATCH:(step + 1) * BATCH] for t in (self.x, self.y))
+        dist.barrier()
         start = time.perf_counter()
         self.pipe.forward_backward(*((xb,) if self.rank == 0 else ()), labels=(yb,) if self.rank == 1 else (),
                                    criterion=nn.functional.mse_loss if self.rank == 1 else None)
@@ -119,9 +153,12 @@ def main() -> None:
         ours, base = statistics.median(timer.times[WARMUP:]), statistics.median(timer.plain_times[WARMUP:])
         print(f"model: embed + {DEPTH} x (Linear({WIDTH}) + ReLU) + head, batch {BATCH} in {MICROBATCHES} "
               f"microbatches, 2 stages, 1F1B, AdamW, 1 thread per rank, gloo; median of {STEPS - WARMUP} steps, "
-              "each Lightning step followed by a plain one")
+              "each Lightning step followed by a plain one, each step started by a barrier")
+        log, rerun = (statistics.median(t[WARMUP:]) for t in (timer.log_times, timer.rerun_times))
         print(f"lightning PipeStrategy step: {1e3 * ours:.2f} ms")
         print(f"plain PipeDream step:        {1e3 * base:.2f} ms")
+        print(f"in the difference: Lightning's own self.log {1e3 * log:.2f} ms (stage 0), the last stage's rerun "
+              f"of embed {1e3 * rerun:.2f} ms ({len(timer.times) - WARMUP} steps, medians)")
         print(f"glue_vs_plain={ours / base:.3f}")
 
 

@@ -128,7 +128,9 @@ class StandIn:
         return self.chunks[k]
 
     def begin_step(self, mode: str, replacement: Optional[tuple] = None, checkpoint_layers: bool = False) -> None:
-        self.mode, self.replacement, self.checkpoint_layers, self.calls = mode, replacement, checkpoint_layers, 0
+        # Plain values straight into __dict__: nn.Module.__setattr__ first looks for a parameter, buffer or
+        # submodule of each name, and this runs twice per microbatch on the critical path.
+        self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0)
 
     def end_step(self, hook: str, path: str) -> None:
         """Check how the user's step called the body; back to ``"local"``."""
