@@ -24,6 +24,7 @@ Two parts of the difference are measured in the same steps and printed: Lightnin
 same call, about 1.3 ms here) and the last stage's rerun of the code before the body (``embed``;
 the design reruns it so that the user's step runs unchanged). The last line is
 ``glue_vs_plain=<x>``: the median Lightning step over the median plain step (goal: at most 1.05).
+The line before it gives the median of the per-pair ratios, which cancels slow drift better.
 
     python benchmarks/glue_cost.py      # about a minute on 2 cores; Lightning starts rank 1 itself
 """
@@ -159,6 +160,8 @@ def main() -> None:
         print(f"plain PipeDream step:        {1e3 * base:.2f} ms")
         print(f"in the difference: Lightning's own self.log {1e3 * log:.2f} ms (stage 0), the last stage's rerun "
               f"of embed {1e3 * rerun:.2f} ms ({len(timer.times) - WARMUP} steps, medians)")
+        paired = statistics.median(a / b for a, b in zip(timer.times[WARMUP:], timer.plain_times[WARMUP:]))
+        print(f"median of the per-pair ratios (each Lightning step over the plain step after it): {paired:.3f}")
         print(f"glue_vs_plain={ours / base:.3f}")
 
 
