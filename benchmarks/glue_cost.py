@@ -26,7 +26,7 @@ the design reruns it so that the user's step runs unchanged). The last line is
 ``glue_vs_plain=<x>``: the median Lightning step over the median plain step (goal: at most 1.05).
 The line before it gives the median of the per-pair ratios, which cancels slow drift better.
 
-    python benchmarks/glue_cost.py      # about a minute on 2 cores; Lightning starts rank 1 itself
+    python benchmarks/glue_cost.py      # about 30 s on 2 cores; Lightning starts rank 1 itself
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 ``torch.distributed.broadcast_object_list`` pickles a tensor through ``torch.save``'s reductions
 and unpickles it through ``torch.load``'s, about 0.2 ms a tensor on this project's CPUs; the
 strategy sends the last stage's loss, logs and metric states to the whole pipeline every step
-(:func:`share_object`), so that cost sits on every step's critical path. Here a tensor whose dtype NumPy has travels as an array (exact,
-a copy of its bytes); any other tensor (bfloat16, one requiring grad, a subclass) as torch
-pickles it. Tensors arrive on the CPU: the receiver moves them where it needs them.
+(:func:`share_object`), so that cost sits on every step's critical path. Here a tensor whose
+dtype NumPy has travels as an array (exact, a copy of its bytes); any other tensor (bfloat16, one
+requiring grad, a subclass) as torch pickles it. Tensors arrive on the CPU: the receiver moves
+them where it needs them.
 """
 
 from __future__ import annotations
