@@ -499,14 +499,23 @@ def loaders(kind: str):
 
 
 class Outputs(Callback):
-    """What on_train_batch_end receives on this rank."""
+    """What on_train_batch_end and on_validation_batch_end receive on this rank."""
 
     def __init__(self) -> None:
-        self.seen = []
+        self.seen, self.val_seen = [], []
+
+    @staticmethod
+    def _copy(outputs):
+        if outputs is None:
+            return None
+        return ({k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in outputs.items()}
+                if isinstance(outputs, dict) else {"loss": outputs.detach().cpu().clone()})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seen.append({k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in outputs.items()}
-                         if isinstance(outputs, dict) else {"loss": outputs.detach().cpu().clone()})
+        self.seen.append(self._copy(outputs))
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.val_seen.append(self._copy(outputs))
 
 
 def run(spec: dict, root: str) -> dict:
@@ -555,7 +564,8 @@ def run(spec: dict, root: str) -> dict:
     return {
         "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "csv": rows, "callback_metrics": {k: v.cpu() for k, v in trainer.callback_metrics.items()},
-        "outputs": outputs.seen, "last_model_path": checkpoint.last_model_path, "global_step": trainer.global_step,
+        "outputs": outputs.seen, "val_outputs": outputs.val_seen, "last_model_path": checkpoint.last_model_path,
+        "global_step": trainer.global_step,
         "loss_scale": getattr(trainer.precision_plugin, "scaler", None) and trainer.precision_plugin.scaler.get_scale(),
         # the replica all-reduces of the last step that started while its backward still ran (rank 0's)
         "started_early": getattr(getattr(getattr(trainer.strategy, "pipeline", None), "replicas", None), "started_early", None),

@@ -187,13 +187,20 @@ def test_state_grown_before_the_body_on_the_process_with_the_first_and_last_stag
 @pytest.mark.parametrize("launch, name", [("world2", "llama_p2"), ("world3", "llama_p3"), ("world2", "llama_p2v2"),
                                           ("world2", "llama_zbv")])
 def test_on_train_batch_end_receives_the_steps_whole_outputs(lm_runs, launch, name):
-    """Regression: rank 0 got only the loss; DDP passes the step's whole dict."""
+    """Regressions: rank 0 got only the loss; DDP passes the step's whole dict. on_validation_batch_end got
+    None on rank 0 (only predictions were shared)."""
     got, want = lm_runs(launch)[0][name]["outputs"], lm_runs("reference")[0]["llama"]["outputs"]
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.keys() == w.keys() == {"loss", "num_items", "preds"}
         torch.testing.assert_close(g["loss"], w["loss"])
         assert torch.equal(g["preds"], w["preds"]) and int(g["num_items"]) == int(w["num_items"])
+    got, want = lm_runs(launch)[0][name]["val_outputs"], lm_runs("reference")[0]["llama"]["val_outputs"]
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() == {"loss", "num_items"}
+        torch.testing.assert_close(g["loss"], w["loss"])
+        assert int(g["num_items"]) == int(w["num_items"])
 
 
 @pytest.mark.parametrize("launch, name", [("world2", "llama_p2"), ("world3", "llama_p3")])

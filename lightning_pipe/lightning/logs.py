@@ -1,10 +1,11 @@
 """What the user's step logs on the last stage, logged on every rank as Lightning's DDP would.
 
 The last stage runs the user's step once per microbatch. :class:`LogRecorder` catches those
-``self.log`` calls instead of handing them to Lightning, folds them into one value per name for
-the whole batch (with the name's own ``reduce_fx``: a size-weighted mean for ``"mean"``, the sum
-for ``"sum"``, the max or min), and after the step every rank of the pipeline replays the same
-calls. So every rank (rank 0 included, whose loggers, progress bar and checkpoint callbacks read
+``self.log`` calls instead of handing them to Lightning, folds them into the calls one step over
+the whole batch would make (the loss like the loss; a ``Metric`` logged on step by computing it
+over the batch; other values with the name's own ``reduce_fx``: a size-weighted mean for
+``"mean"``, the sum for ``"sum"``, the max or min), and after the step every rank of the
+pipeline replays the same calls. So every rank (rank 0 included, whose loggers, progress bar and checkpoint callbacks read
 them) sees the values DDP would log for the whole batch, and ``sync_dist`` reduces over the
 replicas of its stage only. torchmetrics ``Metric`` objects are mirrored: their states travel
 from the last stage to the other stages of the pipeline, so ``compute()`` gives the same value
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint import is_recomputing
+from lightning_pipe.errors import ConfigurationError
 
 try:  # torchmetrics is a dependency of Lightning, but keep this module importable without it
     from torchmetrics import Metric
@@ -86,18 +88,32 @@ class LogRecorder:
         self.module = module
         self.body_path = body_path
         self._calls: List[List[Dict[str, Any]]] = []
+        self._inputs: List[Dict[str, list]] = []  # per microbatch: each Metric's forward inputs
         self._metric_paths: Dict[int, str] = {}
+        self._constant_batch_size: set = set()  # names seen logged with the batch's size as batch_size
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        """Catch the module's ``log`` calls (``log_dict`` goes through ``log``)."""
-        self._calls = []
+        """Catch the module's ``log`` calls (``log_dict`` goes through ``log``) and what Metrics are called with."""
+        self._calls, self._inputs = [], []
         self._metric_paths = metric_paths(self.module, self.body_path)
+        handles = []
+        for path in self._metric_paths.values():
+            metric = self.module.get_submodule(path)
+            handles.append(metric.register_forward_pre_hook(self._capture(path), with_kwargs=True))
         self.module.log = self._record  # an instance attribute shadows LightningModule.log
         try:
             yield
         finally:
             del self.module.log
+            for handle in handles:
+                handle.remove()
+
+    def _capture(self, path: str) -> Any:
+        def hook(metric: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._inputs and not is_recomputing():
+                self._inputs[-1].setdefault(path, []).append((_detach_refs(args), _detach_refs(kwargs)))
+        return hook
 
     @property
     def calls(self) -> List[List[Dict[str, Any]]]:
@@ -107,12 +123,14 @@ class LogRecorder:
     def start_microbatch(self) -> None:
         if not is_recomputing():
             self._calls.append([])
+            self._inputs.append({})
 
     def discard_microbatch(self) -> None:
         """Forget the current microbatch's calls: a first stage's run up to the body, which the process holding
         the last stage (under ZB-V the same process) runs again whole."""
         if self._calls and not is_recomputing():
             self._calls.pop()
+            self._inputs.pop()
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if is_recomputing() or not self._calls:
@@ -131,19 +149,73 @@ class LogRecorder:
             source = call.pop("source", None)
             call["is_loss"] = loss is not None and source is not None and _is_value_of(source, loss)
 
-    def fold(self, sizes: Sequence[int], loss_weights: Optional[Sequence[float]] = None) -> List[Dict[str, Any]]:
-        """One call per name for the whole batch, in the order names were first logged.
+    def fold(self, sizes: Sequence[int], loss_weights: Optional[Sequence[float]] = None,
+             on_step_by_default: bool = True) -> List[Dict[str, Any]]:
+        """The calls for the whole batch: per name, one call for each call a microbatch made, in the
+        order the names were first logged (a name logged twice in a step is replayed twice, as the
+        step made it: Lightning's step value is the last call, its epoch value counts both).
 
-        A name that logs the step's loss in every microbatch folds like the loss: its values
-        weighted by ``loss_weights`` (summed when those are None: a summed loss), so that it logs
-        the batch's loss as one step over the whole batch would. Other names fold with their
-        ``reduce_fx``, a mean weighted by microbatch size (or by the ``batch_size`` they log with).
+        A name that logs the step's loss in every microbatch folds like the loss, whatever its
+        ``reduce_fx``: its values weighted by ``loss_weights`` (summed when those are None: a
+        summed loss), so that it logs the batch's loss as one step over the whole batch would.
+        Other names fold with their ``reduce_fx``, a mean weighted by microbatch size or by the
+        ``batch_size`` they log with (see :func:`_fold_one`). A torchmetrics ``Metric`` logged on
+        step (``on_step``, by default ``on_step_by_default``) logs its value over the whole batch
+        (see :meth:`_batch_value`).
         """
-        by_name: Dict[str, List[Tuple[int, Dict[str, Any]]]] = {}
+        by_name: Dict[Tuple[str, int], List[Tuple[int, int, Dict[str, Any]]]] = {}
         for i, (size, calls) in enumerate(zip(sizes, self._calls)):
+            seen: Dict[str, int] = {}
             for call in calls:
-                by_name.setdefault(call["name"], []).append((i, size, call))
-        return [_fold_one(entries, loss_weights) for entries in by_name.values()]
+                occurrence = seen[call["name"]] = seen.get(call["name"], -1) + 1
+                by_name.setdefault((call["name"], occurrence), []).append((i, size, call))
+        total = sum(sizes)
+        folded = []
+        for (name, _), entries in by_name.items():
+            call, constant = _fold_one(entries, loss_weights, total, name in self._constant_batch_size)
+            if constant:
+                self._constant_batch_size.add(name)
+            folded.append(call)
+        for call in folded:
+            value = call["value"]
+            on_step = call["on_step"] if call["on_step"] is not None else on_step_by_default
+            if on_step and isinstance(value, tuple) and value and value[0] == "metric":
+                batch_value = self._batch_value(value[1])
+                if batch_value is not None:
+                    call["value"] = ("metric", value[1], batch_value)
+        return folded
+
+    def _batch_value(self, path: str) -> Any:
+        """What the Metric at ``path`` gives over this step's microbatches together (None if it was not
+        called in every microbatch that ran the step, or gives no tensor).
+
+        As torchmetrics' own ``forward`` computes a batch's value: the metric's state is set aside,
+        the metric updated from its initial state with what each microbatch called it with and
+        computed without syncing (the other ranks are not computing it), then its state put back.
+        """
+        inputs = [per_microbatch.get(path) for per_microbatch in self._inputs]
+        if not inputs or any(not calls for calls in inputs):
+            return None
+        metric = self.module.get_submodule(path)
+        kept = {name: getattr(metric, name) for name in metric._defaults}
+        kept_private = {name: getattr(metric, name) for name in _METRIC_PRIVATE if hasattr(metric, name)}
+        try:
+            metric.reset()
+            metric._to_sync = False
+            for calls in inputs:
+                for args, kwargs in calls:
+                    metric.update(*args, **kwargs)
+            value = metric.compute()
+        finally:
+            for name, state in kept.items():
+                setattr(metric, name, state)
+            for name, state in kept_private.items():
+                setattr(metric, name, state)
+        return value.detach().clone() if isinstance(value, torch.Tensor) else None
+
+
+_METRIC_PRIVATE = ("_update_count", "_computed", "_forward_cache", "_to_sync", "_should_unsync", "_is_synced",
+                   "_cache")  # what reset, update and compute change besides the states
 
 
 def _detach(value: Any) -> Any:
@@ -151,6 +223,17 @@ def _detach(value: Any) -> Any:
         return value.detach().clone()
     if isinstance(value, dict):
         return {k: _detach(v) for k, v in value.items()}
+    return value
+
+
+def _detach_refs(value: Any) -> Any:
+    """``value`` with its tensors detached (not copied: a Metric reads its inputs, it does not change them)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if type(value) in (list, tuple):
+        return type(value)(_detach_refs(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detach_refs(v) for k, v in value.items()}
     return value
 
 
@@ -169,6 +252,8 @@ def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any) -> Any:
         folded = stacked.max(0).values
     elif name == "min":
         folded = stacked.min(0).values
+    elif isinstance(reduce_fx, str):  # Lightning refuses the call the same way
+        raise ConfigurationError(f"only self.log(..., reduce_fx={{min,max,mean,sum}}) are supported, got {reduce_fx!r}")
     else:
         folded = reduce_fx(stacked)
     first = values[0]
@@ -182,16 +267,32 @@ def _is_value_of(source: Any, loss: torch.Tensor) -> bool:
     return isinstance(source, (int, float)) and not isinstance(source, bool) and source == loss.item()
 
 
-def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Optional[Sequence[float]]) -> Dict[str, Any]:
+def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Optional[Sequence[float]],
+              total: int, constant_before: bool = False) -> Tuple[Dict[str, Any], bool]:
+    """One call from a name's calls in several microbatches (``total``: the batch's size), and whether
+    their ``batch_size`` is the batch's size rather than a count per microbatch.
+
+    A ``batch_size`` given with the calls weighs them: a count per microbatch (tokens, items)
+    when it varies between microbatches; the batch's size, which every microbatch passes alike
+    (``batch_size=self.hparams.batch_size``), when it is the same in every call and equals the
+    batch's size, or the microbatches' sizes differ, or an earlier step showed it
+    (``constant_before``: a short last batch split evenly cannot tell). Then the microbatch
+    sizes weigh the values and the folded call keeps the given number, as one step over the
+    batch logs it.
+    """
     sizes = [size for _, size, _ in entries]
     calls = [call for _, _, call in entries]
     folded = {k: v for k, v in calls[-1].items() if k not in ("is_loss", "source")}
-    if calls[-1]["batch_size"] is not None:
-        folded["batch_size"] = sum(c["batch_size"] for c in calls)
-        sizes = [c["batch_size"] for c in calls]
+    given = [c["batch_size"] for c in calls]
+    constant = False
+    if given[-1] is not None:
+        constant = all(g == given[0] for g in given) and (given[0] == total or len(set(sizes)) > 1 or constant_before)
+        if not constant:
+            folded["batch_size"] = sum(given)
+            sizes = given
     value = calls[-1]["value"]
     reduce_fx = calls[-1]["reduce_fx"]
-    if all(c.get("is_loss") for c in calls) and _name_of(reduce_fx) in _MEAN:
+    if all(c.get("is_loss") for c in calls):
         reduce_fx = "sum" if loss_weights is None else "mean"
         sizes = sizes if loss_weights is None else [loss_weights[i] for i, _, _ in entries]
     if isinstance(value, tuple) and value and value[0] == "metric":
@@ -199,11 +300,12 @@ def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Opti
         folded["value"] = ("metric", value[1], forward)
     elif isinstance(value, (torch.Tensor, int, float)):
         folded["value"] = _reduce([c["value"] for c in calls], sizes, reduce_fx)
-    return folded
+    return folded, constant
 
 
 def _name_of(reduce_fx: Any) -> str:
-    return reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
+    """``reduce_fx``'s name, lower case as Lightning reads it (``"Mean"`` and ``"AVG"`` are a mean)."""
+    return reduce_fx.lower() if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
 
 
 def metric_states(module: nn.Module, body_path: str) -> Dict[str, Dict[str, Any]]:

@@ -121,14 +121,16 @@ class StepRunner:
 
     def folded_logs(self, sizes: Sequence[int]) -> list:
         account = self.account
-        return self.recorder.fold(sizes, account.log_weights() if account is not None else list(sizes))
+        return self.recorder.fold(sizes, account.log_weights() if account is not None else list(sizes),
+                                  on_step_by_default=self.hook == "training_step")  # Lightning's defaults
 
     def evaluate(self, hook: str, batch: Any, hook_args: tuple, pipeline: Any, first: bool,
                  last: bool) -> Tuple[Any, Optional[tuple]]:
         """One pipelined evaluation step: forward only, then the user's step on each output (last stage).
 
         Returns the step's result merged over microbatches and what the last stage shares with
-        the pipeline (its folded logs, and for ``predict_step`` the predictions); None elsewhere.
+        the pipeline (its folded logs and the merged result, which ``on_*_batch_end`` hooks receive
+        on every rank as under DDP); None elsewhere.
         """
         self.begin(hook, hook_args, pipeline)
         outputs = summary = None
@@ -139,7 +141,7 @@ class StepRunner:
                 results = [self.note(i, self.run(i, part[0], "replace", out))
                            for i, (out, part) in enumerate(zip(per_microbatch, parts))]
                 outputs = outputs_of(results, self.account, pipeline.last_sizes)
-                shared = {"outputs": outputs} if hook == "predict_step" else {}
+                shared = {"outputs": outputs}  # what on_*_batch_end gets on every rank, as under DDP
                 summary = (None, self.folded_logs(pipeline.last_sizes), shared, 1.0)
             pipeline.reseed(rng.END)
         return outputs, summary

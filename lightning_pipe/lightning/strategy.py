@@ -467,7 +467,7 @@ class PipeStrategy(DDPStrategy):
             outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.is_first_stage,
                                                      self.is_last_stage)
         _, extras, _ = self._share_results(summary, posted)
-        return extras.get("outputs", outputs)  # predictions on every rank; the step's merged output on the last
+        return extras.get("outputs", outputs)  # the step's merged output on every rank (predictions included)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("validation_step", self.precision_plugin.val_step_context(), args)

@@ -1,0 +1,165 @@
+"""How the last stage's per-microbatch ``self.log`` calls fold into the calls one step over the batch makes.
+
+Each case records the calls a step would make on microbatches of sizes 4, 3, 3 (a batch of 10)
+and checks the folded calls against what Lightning would be given by one step over the batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torchmetrics.classification import BinaryF1Score
+from torchmetrics.aggregation import SumMetric
+
+from lightning_pipe import ConfigurationError
+from lightning_pipe.lightning.effects import StepEffects
+from lightning_pipe.lightning.logs import LogRecorder
+
+SIZES = [4, 3, 3]
+
+
+class Module(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(2, 2)
+        self.f1 = BinaryF1Score()
+        self.total = SumMetric()
+
+
+def _record(module, step, sizes=SIZES, weights=None, on_step_by_default=True):
+    """Run ``step(module, i, size)`` per microbatch under a recorder; return the folded calls."""
+    recorder = LogRecorder(module, "body")
+    with recorder.recording():
+        for i, size in enumerate(sizes):
+            recorder.start_microbatch()
+            loss = step(module, i, size)
+            recorder.mark_loss(loss)
+        return recorder.fold(sizes, weights if weights is not None else list(sizes), on_step_by_default)
+
+
+def _loss(i):
+    return torch.tensor([0.7, 0.8, 0.9][i])
+
+
+def test_a_logged_loss_folds_like_the_loss_whatever_its_reduce_fx():
+    """Regression: reduce_fx="max" logged the largest microbatch loss, "sum" their sum, not the batch's loss."""
+    def step(module, i, size):
+        loss = _loss(i)
+        module.log("loss_max", loss, reduce_fx="max")
+        module.log("loss_sum", loss, reduce_fx="sum")
+        module.log("loss_mean", loss)
+        return loss
+
+    calls = {c["name"]: c for c in _record(Module(), step)}
+    batch_loss = torch.tensor((0.7 * 4 + 0.8 * 3 + 0.9 * 3) / 10)
+    for name, reduce_fx in (("loss_max", "max"), ("loss_sum", "sum"), ("loss_mean", "mean")):
+        torch.testing.assert_close(calls[name]["value"], batch_loss)
+        assert calls[name]["reduce_fx"] == reduce_fx  # Lightning still reduces the steps with it
+
+
+def test_a_constant_batch_size_keeps_the_microbatch_sizes_as_weights():
+    """Regression: batch_size=10 in every microbatch weighed microbatches of 4, 3 and 3 equally."""
+    values = [0.25, 0.5, 1.0]
+
+    def step(module, i, size):
+        module.log("acc", torch.tensor(values[i]), batch_size=10)
+        module.log("token_acc", torch.tensor(values[i]), batch_size=size * 5)  # a count per microbatch
+        return _loss(i)
+
+    calls = {c["name"]: c for c in _record(Module(), step)}
+    torch.testing.assert_close(calls["acc"]["value"], torch.tensor((0.25 * 4 + 0.5 * 3 + 1.0 * 3) / 10))
+    assert calls["acc"]["batch_size"] == 10
+    torch.testing.assert_close(calls["token_acc"]["value"], torch.tensor((0.25 * 20 + 0.5 * 15 + 1.0 * 15) / 50))
+    assert calls["token_acc"]["batch_size"] == 50
+
+    # a short batch: the constant is not the batch's size, but the microbatch sizes differ, so it is no count
+    calls = {c["name"]: c for c in _record(Module(), step, sizes=[2, 1, 1])}
+    torch.testing.assert_close(calls["acc"]["value"], torch.tensor((0.25 * 2 + 0.5 + 1.0) / 4))
+    assert calls["acc"]["batch_size"] == 10
+
+    # a short batch split evenly cannot tell; an earlier step showed the number is the batch's size
+    recorder = LogRecorder(Module(), "body")
+    for sizes in (SIZES, [2, 2, 2]):
+        with recorder.recording():
+            for i in range(3):
+                recorder.start_microbatch()
+                step(recorder.module, i, sizes[i])
+                recorder.mark_loss(None)
+            calls = {c["name"]: c for c in recorder.fold(sizes, sizes)}
+    assert calls["acc"]["batch_size"] == 10 and calls["token_acc"]["batch_size"] == 30
+
+
+def test_a_name_logged_twice_in_a_step_is_replayed_twice_in_order():
+    """Regression: both calls of every microbatch were averaged into one; Lightning's step value is the last."""
+    def step(module, i, size):
+        module.log("twice", torch.tensor(float(i)))
+        module.log("other", torch.tensor(1.0))
+        module.log("twice", torch.tensor(10.0 + i))
+        return _loss(i)
+
+    calls = _record(Module(), step)
+    assert [c["name"] for c in calls] == ["twice", "other", "twice"]
+    torch.testing.assert_close(calls[0]["value"], torch.tensor((0 * 4 + 1 * 3 + 2 * 3) / 10))
+    torch.testing.assert_close(calls[2]["value"], torch.tensor((10 * 4 + 11 * 3 + 12 * 3) / 10))
+
+
+def test_reduce_fx_names_are_read_as_lightning_reads_them():
+    """Regression: reduce_fx="Max" raised TypeError: 'str' object is not callable on the last stage."""
+    def step(module, i, size):
+        module.log("m", torch.tensor(float(i)), reduce_fx="Max")
+        module.log("a", torch.tensor(float(i)), reduce_fx="AVG")
+        return _loss(i)
+
+    calls = {c["name"]: c for c in _record(Module(), step)}
+    torch.testing.assert_close(calls["m"]["value"], torch.tensor(2.0))
+    torch.testing.assert_close(calls["a"]["value"], torch.tensor(0.9))
+    with pytest.raises(ConfigurationError, match="reduce_fx"):
+        _record(Module(), lambda module, i, size: module.log("x", torch.tensor(1.0), reduce_fx="median"))
+
+
+def test_a_metric_logged_on_step_logs_its_value_over_the_whole_batch():
+    """Regression: a Metric's step value was the size-weighted mean of its per-microbatch values (F1 0.444
+    where DDP logs 0.417; a SumMetric 6 where DDP logs 2)."""
+    torch.manual_seed(0)
+    preds, target = torch.rand(10), torch.randint(0, 2, (10,))
+    bounds = [0, 4, 7, 10]
+
+    def step(module, i, size):
+        part = slice(bounds[i], bounds[i + 1])
+        module.f1(preds[part], target[part])
+        module.total(torch.ones(size) / 5)
+        module.log("f1", module.f1)
+        module.log("total", module.total)
+        module.log("f1_epoch_only", module.f1, on_step=False, on_epoch=True)
+        return _loss(i)
+
+    module = Module()
+    calls = {c["name"]: c for c in _record(module, step)}
+    torch.testing.assert_close(calls["f1"]["value"][2], BinaryF1Score()(preds, target))
+    torch.testing.assert_close(calls["total"]["value"][2], torch.tensor(2.0))
+    assert calls["f1"]["value"][1] == "f1"
+    # the metric itself saw every microbatch once, as it would have seen the batch
+    torch.testing.assert_close(module.f1.compute(), BinaryF1Score()(preds, target))
+    torch.testing.assert_close(module.total.compute(), torch.tensor(2.0))
+
+    # logged on epoch only (validation's default), the step value is not computed
+    calls = {c["name"]: c for c in _record(Module(), step, on_step_by_default=False)}
+    assert calls["f1"]["value"][2] is not None
+
+
+def test_a_list_appended_to_in_the_step_is_warned_about_once():
+    module = nn.Module()
+    module.scores = []
+    effects = StepEffects(module, 3)
+    with pytest.warns(UserWarning, match=r"appended to `self.scores`.*one entry per microbatch"):
+        snapshot = effects.before("training_step")
+        module.scores.append(1.0)
+        effects.after("training_step", snapshot, last_stage=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        snapshot = effects.before("training_step")
+        module.scores.append(1.0)
+        effects.after("training_step", snapshot, last_stage=True)
