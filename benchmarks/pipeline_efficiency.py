@@ -34,6 +34,10 @@ bubble is lost; zero-bubble schedules can exceed it), y = the geometric mean of
 T_torch / T_ours over the five schedules both have (above 1: we are faster), z = T_no-comm /
 T_best (1.000: two busy cores with no bubble and no messages).
 
+``--main-thread-waits`` (measurement only) makes our pipelines wait for each message with a
+blocking ``wait()`` on the main thread, as torch does, instead of through each link's helper
+thread: what the helper threads, which let a rank stop when a peer fails, cost.
+
 Run: ``python benchmarks/pipeline_efficiency.py --quick`` (about 3 minutes on 2 cores).
 """
 
@@ -157,7 +161,16 @@ def _torch_schedule(name: str, modules: List[nn.Module], stage_indices: Tuple[in
     return cls(stages, m, loss_fn=F.mse_loss)
 
 
-def make_steps(rank: int, config: Config, x, y) -> Tuple[nn.Module, Dict[str, Callable], Dict[str, object]]:
+def wait_on_main_thread(pipe: lightning_pipe.Pipeline) -> None:
+    """Measurement only (``--main-thread-waits``): wait for every message with a blocking ``wait()`` on
+    the main thread, as torch does, instead of through the link's helper thread; a failed peer that
+    stays alive would then block this rank until the process group's timeout."""
+    pipe.transport.arrivals = None
+    pipe.transport.errors.wait = lambda work, what: work.wait()
+
+
+def make_steps(rank: int, config: Config, x, y,
+               main_thread_waits: bool = False) -> Tuple[nn.Module, Dict[str, Callable], Dict[str, object]]:
     """Every pipelined variant's step on this rank, the no-comm stage and our pipelines by schedule."""
     m = config.num_microbatches
     steps: Dict[str, Callable] = {}
@@ -175,6 +188,8 @@ def make_steps(rank: int, config: Config, x, y) -> Tuple[nn.Module, Dict[str, Ca
             families[key] = parts
         parts = families[key]
         pipe = lightning_pipe.Pipeline(parts, chunks=m, schedule=name, virtual_stages=VIRTUAL.get(name))
+        if main_thread_waits:
+            wait_on_main_thread(pipe)
         pipes[name] = pipe
         schedule = _torch_schedule(name, parts, pipe.stage_indices, m)
         steps[f"ours {name}"] = lambda pipe=pipe: ours_step(pipe, x, y)
@@ -258,7 +273,7 @@ def run_rounds(rank: int, args: argparse.Namespace) -> dict:
     config = TINY if args.tiny else DEFAULT
     deadline = time.monotonic() + args.max_seconds
     x, y = make_batch(config)
-    stage, steps, pipes = make_steps(rank, config, x, y)
+    stage, steps, pipes = make_steps(rank, config, x, y, args.main_thread_waits)
     gradient_error = check_gradients(config, pipes, steps, x, y)
     baseline = build_model(config) if rank == 0 else None
     names = variants()
@@ -398,7 +413,8 @@ def summarize(per_rank, args: argparse.Namespace) -> List[str]:
     rounds = len(step_times(per_rank, "sequential")) // args.steps
     idle_cpu = per_rank[1]["idle_cpu"]
     return [
-        config.describe(),
+        config.describe() + ("; ours waiting on the main thread (--main-thread-waits, measurement only)"
+                             if args.main_thread_waits else ""),
         f"{rounds} rounds x ({args.warmup} warm-up + {args.steps} timed steps) per variant; median over "
         f"{rounds * args.steps} steps" + (" (stopped early: --max-seconds)" if rounds < args.rounds else ""),
         "", *format_table(per_rank, medians), "",
@@ -419,6 +435,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="rounds over all variants (default 20, --quick 6)")
     parser.add_argument("--steps", type=int, help="timed steps per variant and round (default 5, --quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed steps per variant and round (default 1)")
+    parser.add_argument("--main-thread-waits", action="store_true",
+                        help="measurement only: our waits block the main thread as torch's do (no fail-fast)")
     parser.add_argument("--max-seconds", type=float, help="start no new round after this long (default 600, --quick 150)")
     args = parser.parse_args()
     defaults = (6, 3, 1, 150.0) if args.quick else (20, 5, 1, 600.0)
