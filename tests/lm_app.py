@@ -155,6 +155,9 @@ class LlamaStyle(LMBase):
     def on_before_optimizer_step(self, optimizer):
         self.log_dict(grad_norm(self, norm_type=2))
 
+    def on_after_backward(self):
+        self.log_dict(grad_norm(self, norm_type=1))  # other names than the 2-norms above
+
     def validation_step(self, batch, batch_idx):
         tokens, labels = batch
         logits = self.logits(tokens)

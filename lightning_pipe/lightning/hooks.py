@@ -3,9 +3,9 @@
 - :class:`BodySwap`: ``on_fit_start`` callbacks (the model summary) see the unsplit body.
 - :class:`StepState`: before epoch-end hooks, the attributes the last stage's steps built are
   handed to the other stages, so ``on_validation_epoch_end`` computes the same on every rank.
-- :func:`combine_optimizer_step_logs`: what ``on_before_optimizer_step`` hooks log on each stage
-  is gathered over the pipeline and combined per name (Lightning's ``grad_norm`` made whole-model),
-  then logged on every rank.
+- :func:`combine_stage_logs`: what ``on_before_optimizer_step`` and ``on_after_backward`` hooks
+  log on each stage is gathered over the pipeline and combined per name (Lightning's
+  ``grad_norm`` made whole-model), then logged on every rank.
 """
 
 from __future__ import annotations
@@ -58,27 +58,32 @@ def overrides(obj: Any, hook: str) -> bool:
     return getattr(type(obj), hook) is not getattr(base, hook)
 
 
-def overrides_optimizer_step_hook(module: LightningModule, callbacks: List[Callback]) -> bool:
-    return any(overrides(obj, "on_before_optimizer_step") for obj in [module, *callbacks])
+def combine_stage_logs(strategy: Any, module: LightningModule, callbacks: List[Callback]) -> None:
+    """Gather and combine, over the pipeline, what the gradient hooks log on each stage.
 
-
-def combine_optimizer_step_logs(strategy: Any) -> None:
-    """Gather and combine the logs of ``on_before_optimizer_step`` hooks over the pipeline.
-
-    Lightning calls these hooks (and then clips gradients) from the precision plugin's
-    ``_after_closure``; that call is wrapped: the hooks' ``self.log`` calls are recorded on every
-    stage, gathered over the pipeline, combined by :func:`~lightning_pipe.lightning.logs.combine_stages`
-    and logged on every rank. One collective per optimizer step, installed only when a hook exists.
+    ``on_before_optimizer_step`` (Lightning calls it, then clips gradients, from the precision
+    plugin's ``_after_closure``) and ``on_after_backward`` (from its ``post_backward``) see only
+    the stage's own gradients. Where the module or a callback defines one of them, that plugin
+    method is wrapped: the hooks' ``self.log`` calls are recorded on every stage, gathered over
+    the pipeline, combined by :func:`~lightning_pipe.lightning.logs.combine_stages` (Lightning's
+    ``grad_norm`` made whole-model) and logged on every rank. One collective per call.
     """
+    for hook, method in (("on_before_optimizer_step", "_after_closure"), ("on_after_backward", "post_backward")):
+        if any(overrides(obj, hook) for obj in [module, *callbacks]):
+            _combine_logs_of(strategy, hook, method)
+
+
+def _combine_logs_of(strategy: Any, hook: str, method: str) -> None:
     plugin = strategy.precision_plugin
-    original = plugin._after_closure
+    original = getattr(plugin, method)
     warned: set = set()
 
-    def after_closure(model: LightningModule, optimizer: Any) -> None:
+    def combined(*args: Any, **kwargs: Any) -> Any:
+        model = strategy.lightning_module
         recorder = LogRecorder(model, strategy.split.path)
         with recorder.recording():
             recorder.start_microbatch()
-            original(model, optimizer)
+            result = original(*args, **kwargs)
             recorder.mark_loss(None)
         per_stage: List[Any] = [None] * strategy.pp_size
         dist.all_gather_object(per_stage, recorder.calls[0], group=strategy.pp_group)
@@ -87,15 +92,16 @@ def combine_optimizer_step_logs(strategy: Any) -> None:
         if new:
             warned.update(new)
             rank_zero_warn(
-                f"on_before_optimizer_step logged {new} with different values on different pipeline stages; the last "
-                "stage's value is logged. Each stage sees only its own layers' gradients: log a whole-model value "
-                "with lightning.pytorch.utilities.grad_norm, or log from one stage (trainer.strategy.is_last_stage)"
+                f"{hook} logged {new} with different values on different pipeline stages; the last stage's value "
+                "is logged. Each stage sees only its own layers' gradients: log a whole-model value with "
+                "lightning.pytorch.utilities.grad_norm, or log from one stage (trainer.strategy.is_last_stage)"
             )
         previous = model._current_fx_name
-        model._current_fx_name = "on_before_optimizer_step"
+        model._current_fx_name = hook
         try:
             replay(model, calls, strategy.root_device)
         finally:
             model._current_fx_name = previous
+        return result
 
-    plugin._after_closure = after_closure
+    setattr(plugin, method, combined)

@@ -292,8 +292,8 @@ class PipeStrategy(DDPStrategy):
                 self.setup_optimizers(trainer)
             self._checkpoints.record_layouts(self._bare_optimizers())
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-            if self.pp_size > 1 and hooks.overrides_optimizer_step_hook(module, trainer.callbacks):
-                hooks.combine_optimizer_step_logs(self)
+            if self.pp_size > 1:
+                hooks.combine_stage_logs(self, module, trainer.callbacks)
             v = self.stages_per_rank
             stages = f"{self.pp_size} stages" if v == 1 else f"{self.pp_size * v} stages ({v} per process)"
             rank_zero_info(f"PipeStrategy: {stages} x {self.dp_size} replicas, schedule {self.schedule}, "
