@@ -88,19 +88,20 @@ class LogRecorder:
         self.module = module
         self.body_path = body_path
         self._calls: List[List[Dict[str, Any]]] = []
-        self._inputs: List[Dict[str, list]] = []  # per microbatch: each Metric's forward inputs
+        self._called: List[set] = []  # per microbatch: the paths of the Metrics it called
+        self._step_states: Dict[str, tuple] = {}  # per Metric: its state over this step's calls alone
         self._metric_paths: Dict[int, str] = {}
         self._constant_batch_size: set = set()  # names seen logged with the batch's size as batch_size
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        """Catch the module's ``log`` calls (``log_dict`` goes through ``log``) and what Metrics are called with."""
-        self._calls, self._inputs = [], []
+        """Catch the module's ``log`` calls (``log_dict`` goes through ``log``), and follow the Metrics' calls."""
+        self._calls, self._called, self._step_states = [], [], {}
         self._metric_paths = metric_paths(self.module, self.body_path)
         handles = []
         for path in self._metric_paths.values():
             metric = self.module.get_submodule(path)
-            handles.append(metric.register_forward_pre_hook(self._capture(path), with_kwargs=True))
+            handles.append(metric.register_forward_hook(self._follow(path), with_kwargs=True))
         self.module.log = self._record  # an instance attribute shadows LightningModule.log
         try:
             yield
@@ -109,10 +110,22 @@ class LogRecorder:
             for handle in handles:
                 handle.remove()
 
-    def _capture(self, path: str) -> Any:
-        def hook(metric: nn.Module, args: tuple, kwargs: dict) -> None:
-            if self._inputs and not is_recomputing():
-                self._inputs[-1].setdefault(path, []).append((_detach_refs(args), _detach_refs(kwargs)))
+    def _follow(self, path: str) -> Any:
+        """A Metric's forward hook: update its step state too, as its ``forward`` updates its batch state."""
+        def hook(metric: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not self._called or is_recomputing():
+                return
+            self._called[-1].add(path)
+            kept = _state_of(metric)
+            try:
+                if path in self._step_states:
+                    _set_state(metric, self._step_states[path])
+                else:
+                    metric.reset()
+                metric.update(*args, **kwargs)
+                self._step_states[path] = _state_of(metric)
+            finally:
+                _set_state(metric, kept)
         return hook
 
     @property
@@ -123,14 +136,14 @@ class LogRecorder:
     def start_microbatch(self) -> None:
         if not is_recomputing():
             self._calls.append([])
-            self._inputs.append({})
+            self._called.append(set())
 
     def discard_microbatch(self) -> None:
         """Forget the current microbatch's calls: a first stage's run up to the body, which the process holding
         the last stage (under ZB-V the same process) runs again whole."""
         if self._calls and not is_recomputing():
             self._calls.pop()
-            self._inputs.pop()
+            self._called.pop()
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if is_recomputing() or not self._calls:
@@ -189,28 +202,20 @@ class LogRecorder:
         """What the Metric at ``path`` gives over this step's microbatches together (None if it was not
         called in every microbatch that ran the step, or gives no tensor).
 
-        As torchmetrics' own ``forward`` computes a batch's value: the metric's state is set aside,
-        the metric updated from its initial state with what each microbatch called it with and
-        computed without syncing (the other ranks are not computing it), then its state put back.
+        As torchmetrics' own ``forward`` computes a batch's value from a state updated with the batch
+        alone: each call of the step also updated a step state (:meth:`_follow`), which is computed
+        here without syncing (the other ranks are not computing it), the metric's own state kept.
         """
-        inputs = [per_microbatch.get(path) for per_microbatch in self._inputs]
-        if not inputs or any(not calls for calls in inputs):
+        if not self._called or any(path not in called for called in self._called) or path not in self._step_states:
             return None
         metric = self.module.get_submodule(path)
-        kept = {name: getattr(metric, name) for name in metric._defaults}
-        kept_private = {name: getattr(metric, name) for name in _METRIC_PRIVATE if hasattr(metric, name)}
+        kept = _state_of(metric)
         try:
-            metric.reset()
+            _set_state(metric, self._step_states[path])
             metric._to_sync = False
-            for calls in inputs:
-                for args, kwargs in calls:
-                    metric.update(*args, **kwargs)
             value = metric.compute()
         finally:
-            for name, state in kept.items():
-                setattr(metric, name, state)
-            for name, state in kept_private.items():
-                setattr(metric, name, state)
+            _set_state(metric, kept)
         return value.detach().clone() if isinstance(value, torch.Tensor) else None
 
 
@@ -218,22 +223,23 @@ _METRIC_PRIVATE = ("_update_count", "_computed", "_forward_cache", "_to_sync", "
                    "_cache")  # what reset, update and compute change besides the states
 
 
+def _state_of(metric: Any) -> tuple:
+    """A Metric's states and the private attributes that go with them (the objects, not copies)."""
+    return ({name: getattr(metric, name) for name in metric._defaults},
+            {name: getattr(metric, name) for name in _METRIC_PRIVATE if hasattr(metric, name)})
+
+
+def _set_state(metric: Any, state: tuple) -> None:
+    for part in state:
+        for name, value in part.items():
+            setattr(metric, name, value)
+
+
 def _detach(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
         return {k: _detach(v) for k, v in value.items()}
-    return value
-
-
-def _detach_refs(value: Any) -> Any:
-    """``value`` with its tensors detached (not copied: a Metric reads its inputs, it does not change them)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if type(value) in (list, tuple):
-        return type(value)(_detach_refs(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detach_refs(v) for k, v in value.items()}
     return value
 
 
