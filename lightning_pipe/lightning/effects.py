@@ -110,10 +110,11 @@ class StepEffects:
             self._warned.update(lists)
             rank_zero_warn(
                 f"{hook} appended to `self.{', self.'.join(lists)}`: under PipeStrategy the step runs once per "
-                f"microbatch ({self.num_microbatches} per batch), so such a list gets one entry per microbatch. Per-sample "
-                "values concatenate to the batch's, but a mean over per-step values (a loss) then weighs microbatches, "
-                "which differ in size on a short batch, instead of batches. To keep one entry per batch, append the "
-                "`outputs` that on_train_batch_end / on_validation_batch_end receive (the whole batch's, on every rank)"
+                f"microbatch ({self.num_microbatches} per batch), so such a list gets one entry per microbatch. "
+                "Per-sample values concatenate to the batch's, but a mean over per-step values (a loss) then weighs "
+                "microbatches, which differ in size on a short batch, instead of batches. To keep one entry per batch, "
+                "append the `outputs` that on_train_batch_end / on_validation_batch_end receive (the whole batch's, on "
+                "every rank)"
             )
         counters = [n for n in changed if isinstance(getattr(self.module, n), (int, float)) and n not in self._warned]
         if counters:

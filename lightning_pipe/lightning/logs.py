@@ -5,11 +5,12 @@ The last stage runs the user's step once per microbatch. :class:`LogRecorder` ca
 the whole batch would make (the loss like the loss; a ``Metric`` logged on step by computing it
 over the batch; other values with the name's own ``reduce_fx``: a size-weighted mean for
 ``"mean"``, the sum for ``"sum"``, the max or min), and after the step every rank of the
-pipeline replays the same calls. So every rank (rank 0 included, whose loggers, progress bar and checkpoint callbacks read
-them) sees the values DDP would log for the whole batch, and ``sync_dist`` reduces over the
-replicas of its stage only. torchmetrics ``Metric`` objects are mirrored: their states travel
-from the last stage to the other stages of the pipeline, so ``compute()`` gives the same value
-everywhere and syncs over the data-parallel group, never over ranks that did not update them.
+pipeline replays the same calls. So every rank (rank 0 included, whose loggers, progress bar
+and checkpoint callbacks read them) sees the values DDP would log for the whole batch, and
+``sync_dist`` reduces over the replicas of its stage only. torchmetrics ``Metric`` objects are
+mirrored: their states travel from the last stage to the other stages of the pipeline, so
+``compute()`` gives the same value everywhere and syncs over the data-parallel group, never over
+ranks that did not update them.
 """
 
 from __future__ import annotations
