@@ -163,3 +163,31 @@ def test_a_list_appended_to_in_the_step_is_warned_about_once():
         snapshot = effects.before("training_step")
         module.scores.append(1.0)
         effects.after("training_step", snapshot, last_stage=True)
+
+
+def test_a_metric_seen_logged_only_on_epoch_gets_no_step_state_after_the_first_step():
+    """The step state costs one more update per call: it is kept only for Metrics that may be logged on step."""
+    module = Module()
+    updates = []
+    update = module.f1.update
+
+    def counted(*args, **kwargs):
+        updates.append(1)
+        return update(*args, **kwargs)
+
+    module.f1.update = counted
+    recorder = LogRecorder(module, "body")
+
+    def step(i):
+        module.f1(torch.rand(3), torch.randint(0, 2, (3,)))
+        module.log("f1", module.f1)
+
+    for expected in (2, 1, 1):  # per call: the metric's own update, and the step state's while followed
+        updates.clear()
+        with recorder.recording():
+            for i in range(3):
+                recorder.start_microbatch()
+                step(i)
+                recorder.mark_loss(None)
+            recorder.fold(SIZES, SIZES, on_step_by_default=False)
+        assert len(updates) == 3 * expected

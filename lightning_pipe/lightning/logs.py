@@ -93,6 +93,10 @@ class LogRecorder:
         self._step_states: Dict[str, tuple] = {}  # per Metric: its state over this step's calls alone
         self._metric_paths: Dict[int, str] = {}
         self._constant_batch_size: set = set()  # names seen logged with the batch's size as batch_size
+        # Metrics logged on step, and off step (epoch values, validation's default): only a Metric never
+        # logged on step and seen logged off step is not followed (its calls need no step state)
+        self._on_step: set = set()
+        self._off_step: set = set()
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -100,7 +104,7 @@ class LogRecorder:
         self._calls, self._called, self._step_states = [], [], {}
         self._metric_paths = metric_paths(self.module, self.body_path)
         handles = []
-        for path in self._metric_paths.values():
+        for path in set(self._metric_paths.values()) - (self._off_step - self._on_step):
             metric = self.module.get_submodule(path)
             handles.append(metric.register_forward_hook(self._follow(path), with_kwargs=True))
         self.module.log = self._record  # an instance attribute shadows LightningModule.log
@@ -189,14 +193,16 @@ class LogRecorder:
             call, constant = _fold_one(entries, loss_weights, total, name in self._constant_batch_size)
             if constant:
                 self._constant_batch_size.add(name)
-            folded.append(call)
-        for call in folded:
             value = call["value"]
-            on_step = call["on_step"] if call["on_step"] is not None else on_step_by_default
-            if on_step and isinstance(value, tuple) and value and value[0] == "metric":
-                batch_value = self._batch_value(value[1])
-                if batch_value is not None:
-                    call["value"] = ("metric", value[1], batch_value)
+            if isinstance(value, tuple) and value and value[0] == "metric":
+                if call["on_step"] if call["on_step"] is not None else on_step_by_default:
+                    self._on_step.add(value[1])
+                    batch_value = self._batch_value(value[1])
+                    if batch_value is not None:
+                        call["value"] = ("metric", value[1], batch_value)
+                else:
+                    self._off_step.add(value[1])
+            folded.append(call)
         return folded
 
     def _batch_value(self, path: str) -> Any:
