@@ -91,11 +91,48 @@ def test_the_last_stage_returns_the_pipeline_output_to_the_loop():
     assert out is final
 
 
+def test_the_loop_may_read_what_it_is_handed_between_blocks_but_not_compute_with_it():
+    layers, _ = stand_in(2, 4, stage_index=1)
+    seen = []
+
+    def loop(layers, x):
+        for block in layers:
+            seen.append((tuple(x.shape), x.dtype, x.device, x.dim(), len(x)))
+            x = block(x)
+        return x
+
+    out, final = _replace_step(layers, loop)
+    assert out is final and seen == [((3, 4), torch.float32, torch.device("cpu"), 2, 3)] * 4
+
+
+def _chain(blocks, x, extra=lambda i: ()):
+    for i, block in enumerate(blocks):
+        x = block(x, *extra(i))
+    return x
+
+
+def _residual(layers, x):
+    for block in layers:
+        x = x + block(x)
+    return x
+
+
+def _mean_of_last_two(layers, x):
+    hidden = []
+    for block in layers:
+        x = block(x)
+        hidden.append(x)
+    return torch.stack(hidden[-2:]).mean(0)
+
+
 @pytest.mark.parametrize("loop, message", [
-    (lambda layers, x: [block(x, torch.tensor(float(i))) for i, block in enumerate(layers)],
+    (lambda layers, x: _chain(layers, x, lambda i: (torch.tensor(float(i)),)),
      "called block 1 of `self.layers` with other extra arguments than block 0"),
-    (lambda layers, x: [block(x) for block in list(layers) * 2], r"in the order \[0, 1, 2, 3, 0, 1, 2, 3\]"),
-    (lambda layers, x: [block(x) for block in layers[:3]], r"in the order \[0, 1, 2\]; .* every block once"),
+    (lambda layers, x: _chain(list(layers) * 2, x), r"in the order \[0, 1, 2, 3, 0, 1, 2, 3\]"),
+    (lambda layers, x: _chain(layers[:3], x), r"in the order \[0, 1, 2\]; .* every block once"),
+    (lambda layers, x: [block(x) for block in layers], "block 1 was not given the hidden state block 0 returned"),
+    (_residual, r"used the output of block 0 for something other than the next block's input \(add\)"),
+    (_mean_of_last_two, r"used the output of block 2 .* \(stack\)"),
 ])
 def test_loops_a_pipeline_cannot_reproduce_are_refused(loop, message):
     layers, _ = stand_in(2, 4, stage_index=1)

@@ -14,10 +14,14 @@ and hands out proxies of the blocks. The rule for a block call:
   everything else (None, flags, numbers, the structure of tuples and dicts) travels once, as a
   content-addressed record in the job's store, and each message carries its 64-bit id.
 
-On the first stage the first block call runs the stage's blocks and stops the step; on the last
-stage every call returns the final output and is checked against the first (same extra arguments,
-each block once, in order), so a loop that the pipeline cannot reproduce fails loudly instead of
-training something else.
+On the first stage the first block call runs the stage's blocks and stops the step. On the last
+stage the final block's call returns the final output, and every call is checked against the
+first (same extra arguments, each block once, in order, each block given the hidden state the one
+before it returned). The calls before the final one return a stand-in for their hidden state
+(:class:`HiddenStandIn`) that only the next block call may take: code of the loop that uses a
+block's output otherwise (a residual added around the call, hidden states collected per block)
+raises. So a loop that the pipeline cannot reproduce fails loudly instead of training something
+else.
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         self.length = len(blocks)
         self.channel = channel
         self._seen: List[Tuple[int, Structure, List[torch.Tensor]]] = []
+        self._handed: Optional[torch.Tensor] = None  # the stand-in the last call returned (last stage)
         # not registered: the blocks' names stay the list's own
         self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
 
@@ -177,6 +182,7 @@ class PipelinedLayerList(StandIn, nn.Module):
     def begin_step(self, mode: str, replacement: Optional[tuple] = None, checkpoint_layers: bool = False) -> None:
         super().begin_step(mode, replacement, checkpoint_layers)
         self._seen = []
+        self._handed = None
 
     def end_step(self, hook: str, path: str) -> None:
         mode, seen = self.mode, self._seen
@@ -210,8 +216,20 @@ class PipelinedLayerList(StandIn, nn.Module):
             )
         structure, tensors = split_call(args[1:], kwargs)
         if self.mode == "replace":
+            if self._seen and index == self._seen[-1][0] + 1 and args[0] is not self._handed:  # order: end_step
+                raise BodyCallError(
+                    f"block {index} was not given the hidden state block {self._seen[-1][0]} returned: the loop changed "
+                    "it between the calls (e.g. `x = x + block(x)`, or a function of the block's output). Under "
+                    "PipeStrategy each block's output goes straight to the next block, so that code would not run; "
+                    "move it into the block (wrap the block in a module doing it)"
+                )
             self._seen.append((index, structure, tensors))
-            return self.replacement[0]
+            if index == self.length - 1:
+                return self.replacement[0]
+            hidden = _hidden_of(self.replacement[0], index)
+            self._handed = HiddenStandIn.of(hidden, index)
+            out = self.replacement[0]
+            return self._handed if isinstance(out, torch.Tensor) else type(out)((self._handed, *out[1:]))
         if index != 0:
             raise BodyCallError(f"the loop's first block call went to block {index}; it must start at block 0")
         key = self.channel.publish(structure)
@@ -259,6 +277,57 @@ class LayerListChunk(nn.Module):
     def forward(self, hidden: torch.Tensor, *message: torch.Tensor) -> tuple:
         self.owner.refuse_if_released()
         return self.owner.run_message(self.k, hidden, *message)
+
+
+_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.ndim.__get__,
+             torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.size, torch.Tensor.dim,
+             torch.Tensor.numel, torch.Tensor.is_floating_point, torch.Tensor.__len__}
+_DEVICE = torch.Tensor.device.__get__
+
+
+class HiddenStandIn(torch.Tensor):
+    """What a block call before the final one returns to the user's loop on the last stage.
+
+    The pipeline ran those blocks on other stages; the real hidden state between them is not here.
+    The stand-in has the hidden state's shape, dtype, device and ``requires_grad``, so the loop can
+    read them, and it may be passed to the next block call; any other use raises
+    :class:`~lightning_pipe.errors.BodyCallError` instead of computing with a wrong value.
+    Written with ``__torch_function__`` because torch offers no tensor that refuses to be used.
+
+    Example:
+        >>> h = HiddenStandIn.of(torch.zeros(2, 3), index=0)
+        >>> h.shape, h.dtype
+        (torch.Size([2, 3]), torch.float32)
+        >>> h + 1
+        Traceback (most recent call last):
+        ...
+        lightning_pipe.errors.BodyCallError: the loop used the output of block 0 ...
+    """
+
+    @staticmethod
+    def of(hidden: torch.Tensor, index: int) -> "HiddenStandIn":
+        stand_in = torch.Tensor._make_subclass(HiddenStandIn, torch.empty_like(hidden, device="meta"),
+                                               hidden.requires_grad)
+        stand_in._block, stand_in._device = index, hidden.device
+        return stand_in
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func == _DEVICE:  # a new method-wrapper object on every attribute access: compared, not identical
+            return args[0]._device
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        block = next((a._block for a in tree_flatten((args, kwargs))[0] if isinstance(a, HiddenStandIn)), "?")
+        raise BodyCallError(
+            f"the loop used the output of block {block} for something other than the next block's input "
+            f"({getattr(func, '__name__', func)}). Under PipeStrategy the hidden states between blocks stay on the "
+            "stages that compute them: only the final block's output reaches your code. Code using per-block "
+            "outputs (hidden states collected per layer, a residual around the call) must move into the blocks"
+        )
+
+    def __repr__(self) -> str:
+        return f"HiddenStandIn(block {self._block}, shape={tuple(self.shape)})"
 
 
 def _hidden_of(out: Any, index: int) -> torch.Tensor:
