@@ -199,3 +199,16 @@ def test_a_process_with_two_stages_holds_both_under_their_names_and_runs_each_al
     message = first.chunk(1)(*message)
     (out,) = second.chunk(1)(*message)  # the last stage: the final block's return value for the loop
     torch.testing.assert_close(out, blocks[3](blocks[2](blocks[1](blocks[0](x, scale), scale), scale), scale))
+
+
+@pytest.mark.parametrize("mode", ["stop", "replace"])
+def test_a_block_call_wrapped_in_torch_checkpoint_or_unpacked_is_refused(mode):
+    layers, _ = stand_in(0 if mode == "stop" else 1, 4, stage_index=0 if mode == "stop" else 1)
+    layers.begin_step(mode, (torch.randn(3, 4),))
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(BodyCallError, match="called inside torch.utils.checkpoint .* PipeStrategy\\(checkpoint="):
+        torch.utils.checkpoint.checkpoint(layers[0], x, use_reentrant=False)
+    with pytest.raises(BodyCallError, match="unpacked or iterated block 0"):
+        attn, ff = layers[0]
+    layers.begin_step("local")
+    torch.utils.checkpoint.checkpoint(layers[0], x, use_reentrant=False)  # one process: torch's checkpoint as usual

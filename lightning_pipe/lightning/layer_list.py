@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from lightning_pipe.errors import BodyCallError
 from lightning_pipe.lightning.body import BodyReached, StandIn
+
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
 Structure = Tuple[Any, tuple, tuple]  # (tree spec, non-tensor leaves, tensor slot per leaf or -1)
 
@@ -130,7 +134,20 @@ class BlockProxy:
         self._index = index
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._owner.mode != "local" and sys._getframe(1).f_code.co_filename == _CHECKPOINT_FILE:
+            raise BodyCallError(
+                f"block {self._index} was called inside torch.utils.checkpoint (e.g. Hugging Face's "
+                "gradient_checkpointing_enable()); under PipeStrategy each stage runs its own blocks, so checkpoint "
+                "them with PipeStrategy(checkpoint='except_last' or 'always') and call the blocks directly"
+            )
         return self._owner.call_block(self._index, args, kwargs)
+
+    def __iter__(self):
+        raise BodyCallError(
+            f"the loop unpacked or iterated block {self._index} of the layer list; under PipeStrategy each element "
+            "of the list is one block, called whole with the hidden state (`x = block(x, ...)`). Wrap the parts "
+            "(e.g. attention and feed-forward) in one module per block"
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._owner.blocks[self._index], name)
