@@ -11,16 +11,23 @@ released:
 - after the first training step, on the first and the last stage, the modules outside the body
   that the step did not call there and that got no gradient there (the first stage, for instance,
   never runs the head after the body). A module whose weights the step reads without calling it
-  counts as used only through its gradient.
+  counts as used only through its gradient. The stage that owns a module's parameters (see
+  :meth:`.split.SplitModel.learn_usage`) always keeps it, so that checkpoints hold its weights.
+
+A module released after the first step refuses to run (:func:`refuse_calls`): calling it later
+(first used after the first step, or only in ``validation_step``) raises
+:class:`~lightning_pipe.errors.ConfigurationError` naming it, instead of torch's error about meta tensors.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterable, Iterator, List, Sequence, Set
+from typing import Dict, Iterable, Iterator, List, Sequence, Set, Tuple
 
 import torch
 from torch import nn
+
+from lightning_pipe.errors import ConfigurationError
 
 try:
     from torchmetrics import Metric
@@ -68,14 +75,51 @@ def outside_body(module: nn.Module, body_path: str) -> List[nn.Module]:
 
     torchmetrics ``Metric`` objects are left out: every stage keeps their states for logging.
     """
+    return [sub for _, sub in named_outside_body(module, body_path)]
+
+
+def named_outside_body(module: nn.Module, body_path: str) -> List[Tuple[str, nn.Module]]:
+    """:func:`outside_body` with each module's path in ``module`` (``""``: the LightningModule)."""
     metrics = {id(m) for m in module.modules() if isinstance(m, Metric) for m in m.modules()}
     out = []
     for name, sub in module.named_modules():
         if name == body_path or name.startswith(body_path + ".") or id(sub) in metrics:
             continue
         if sub._parameters or sub._buffers:
-            out.append(sub)
+            out.append((name, sub))
     return out
+
+
+def is_released(module: nn.Module) -> bool:
+    """Whether some parameter or buffer owned directly by ``module`` is a released (meta) tensor."""
+    return any(t is not None and t.is_meta for t in list(module._parameters.values()) + list(module._buffers.values()))
+
+
+def refuse_calls(module: nn.Module, path: str, where: str) -> object:
+    """Make a released module raise a named error when called (its tensors are meta: nothing to compute with).
+
+    Args:
+        module: the released module.
+        path: its attribute path in the LightningModule.
+        where: the process's place in the pipeline, for the message (e.g. ``"pipeline rank 0 (stage 0)"``).
+
+    Returns:
+        The hook's handle.
+    """
+    name = f"self.{path}" if path else "the LightningModule"
+
+    def refuse(m: nn.Module, args: tuple) -> None:
+        raise ConfigurationError(
+            f"{name} ({type(m).__name__}) was called on {where}, where PipeStrategy released its weights after the "
+            "first training step: that step neither called it here nor computed a gradient for it here, so its memory "
+            "was freed (only the stage that uses it keeps it). A module must be used from the first training step on "
+            "by the stages that will use it: a module first used after the first step, or used only in "
+            "validation/test/predict steps on this stage, cannot run here. Fix: call it in every training step from "
+            f"the first (e.g. add `0.0 * {name}(...).sum()` to the loss until it is really used), or do the work "
+            "outside the LightningModule"
+        )
+
+    return module.register_forward_pre_hook(refuse)
 
 
 @contextmanager

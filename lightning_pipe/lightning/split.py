@@ -12,9 +12,14 @@ rank ``r`` holds stages ``r, r + p, ...``; ZB-V: ``r`` and ``2p - 1 - r``, so ra
 and the last stage): then ``stage_ranks`` maps each stage to its rank, and
 what is *held*, *owned* or *tied* is counted per rank, since one rank holds one copy of each
 tensor for all its stages. Which stage's copy of a parameter outside the body
-is the trained one (its *owner*) is learned from the first step's gradients
-(:meth:`SplitModel.learn_usage`): the stage that computed a gradient for it. One used on several
-stages (a module before the body whose output also feeds the loss) gets its gradients summed.
+is the trained one (its *owner*) is learned from the first step (:meth:`SplitModel.learn_usage`):
+the stage that computed a gradient for it. One used on several stages (a module before the body
+whose output also feeds the loss) gets its gradients summed. One that no stage computed a gradient
+for (frozen at first, e.g. a head unfrozen later) belongs to the stage that called its module: the
+first stage for a module it called (before the body; the last stage's rerun of that code is
+discarded), else the last stage (after the body), which also keeps the modules no stage called.
+Only the owner trains such a parameter: if a later step computes a gradient for it on any other
+stage, :class:`~lightning_pipe.errors.ConfigurationError` is raised (its gradients would not be summed).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Set
 import torch
 from torch import nn
 
-from lightning_pipe.errors import PartitionError
+from lightning_pipe.errors import ConfigurationError, PartitionError
 from lightning_pipe.lightning import release
 from lightning_pipe.lightning.body import PipelinedSequential, StandIn, set_submodule
 from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
@@ -90,6 +95,9 @@ class SplitModel:
         self.ties: List[Tie] = find_ties(module, self.ranks_of)
         self.aliases = aliases(self.ties)
         self.owner: Dict[str, int] = {}
+        self.users: Dict[str, Set[int]] = {}  # outside the body: the ranks that train each parameter (learned)
+        self.module_owner: Dict[str, int] = {}  # outside the body: the rank owning each module's buffers (learned)
+        self.hooks: List[object] = []  # handles of the hooks set after the first step (see release_unused)
         self.module = module
         self.stand_in = self._stand_in(channel)
         self.install(whole=False)
@@ -113,15 +121,92 @@ class SplitModel:
         return release.release(others + (outside if middle else []), keep)
 
     def release_unused(self, called: Set[int], optimizers: Sequence[torch.optim.Optimizer]) -> int:
-        """After the first step: the modules outside the body this rank neither called nor trained."""
+        """After the first step (after :meth:`learn_usage`): the modules outside the body this rank neither called,
+        trained nor owns. Those released refuse to run later (:func:`.release.refuse_calls`); the parameters kept
+        here that another stage was learned to train refuse gradients here (:meth:`_watch_gradients`)."""
         if self.pp_size == 1:
             return 0
-        outside = release.outside_body(self.module, self.path)
-        used = [m for m in outside if id(m) in called or m is self.module
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+        outside = release.named_outside_body(self.module, self.path)
+        used = [m for path, m in outside if id(m) in called or m is self.module or self._owns_module(path, m)
                 or any(p.grad is not None for p in m._parameters.values() if p is not None)]
         keep = release.tensor_ids([self.stand_in]) | {id(t) for m in used for t in
                                                       list(m._parameters.values()) + list(m._buffers.values())}
-        return release.release([m for m in outside if m not in used], keep, optimizers)
+        unused = [(path, m) for path, m in outside if not any(m is u for u in used)]
+        released = release.release([m for _, m in unused], keep, optimizers)
+        for path, m in unused:
+            if release.is_released(m):
+                why = "neither called nor trained by this stage in the first training step"
+                self.hooks.append(release.refuse_calls(m, path, f"{self._where()} ({why})"))
+        self._watch_gradients(outside)
+        return released
+
+    def _where(self) -> str:
+        stages = self.local_stages
+        held = f"stage {stages[0]}" if len(stages) == 1 else f"stages {list(stages)}"
+        return f"pipeline rank {self.pp_rank} ({held} of {self.num_stages})"
+
+    def _owns_module(self, path: str, module: nn.Module) -> bool:
+        """Whether this rank owns a parameter or buffer owned directly by ``module`` (it must keep it for checkpoints)."""
+        names = [f"{path}.{n}" if path else n for n, t in list(module._parameters.items()) + list(module._buffers.items())
+                 if t is not None]
+        return any(self.owner_of(n) == self.pp_rank for n in names)
+
+    def _watch_gradients(self, outside: Sequence) -> None:
+        """Refuse, from the second step on, a gradient on this rank for a parameter outside the body that the first
+        step learned as trained by other ranks only (its gradients would be neither summed nor saved).
+
+        A parameter that requires grad gets a tensor hook now; a frozen one gets it when its module is called after
+        being unfrozen (a forward pre-hook, removed once all of the module's watched parameters are hooked).
+        """
+        tied = {name for tie in self.ties for name in tie.names}
+        for path, m in outside:
+            watched = []
+            for n, p in m._parameters.items():
+                name = self.canonical(f"{path}.{n}" if path else n)
+                if p is None or p.is_meta or name in tied or self.layer_of(name) is not None or name not in self.users:
+                    continue
+                if self.pp_rank not in self.users[name]:
+                    watched.append((name, p))
+            if not watched:
+                continue
+            pending = [(name, p) for name, p in watched if not self._hook_gradient(name, p)]
+            if pending:
+                self._hook_when_trainable(m, pending)
+
+    def _hook_when_trainable(self, module: nn.Module, pending: List) -> None:
+        """Hook the gradients of ``pending`` (frozen now) at the first call of ``module`` after they are unfrozen."""
+        def hook(m: nn.Module, args: tuple) -> None:
+            pending[:] = [(name, p) for name, p in pending if not self._hook_gradient(name, p)]
+            if not pending:
+                handle.remove()
+
+        handle = module.register_forward_pre_hook(hook)
+        self.hooks.append(handle)
+
+    def _hook_gradient(self, name: str, p: torch.Tensor) -> bool:
+        """Hook ``p``'s gradient to refuse it here (False: it does not require grad yet)."""
+        if not p.requires_grad:
+            return False
+        users = sorted(self.users[name])
+        learned = f"pipeline rank(s) {users}" if users else "no rank"
+        where = self._where()
+
+        def refuse(grad: torch.Tensor) -> None:
+            raise ConfigurationError(
+                f"parameter `{name}` (outside the body `{self.path}`) got a gradient on {where}, but PipeStrategy "
+                f"learned from the first training step that only {learned} train it (at that step it got a gradient "
+                "there, or, frozen, its module was called there); its gradients would not be summed over the stages "
+                "that use it, nor counted in the gradient norm or saved from here. A module outside the body used "
+                "by several stages (e.g. before the body and in the loss) must get gradients from the first step "
+                "on: leave it trainable (requires_grad=True) from the start and keep it out of the optimizer, or "
+                "use it on one stage only"
+            )
+
+        self.hooks.append(p.register_hook(refuse))
+        return True
 
     def install(self, whole: bool) -> None:
         """Put the whole body (``whole``) or this stage's stand-in into the module."""
@@ -165,12 +250,21 @@ class SplitModel:
         return self.aliases.get(name, name)
 
     # -- ownership -------------------------------------------------------------------------------
-    def learn_usage(self, used_per_stage: Sequence[Sequence[str]]) -> List[Tie]:
-        """Owners of the parameters outside the body, from the ranks that computed their gradients.
+    def called_names(self, called: Set[int]) -> List[str]:
+        """The paths of the modules outside the body whose forward ran (ids in ``called``; for :meth:`learn_usage`)."""
+        return [path for path, m in release.named_outside_body(self.module, self.path) if id(m) in called]
+
+    def learn_usage(self, used_per_stage: Sequence[Sequence[str]],
+                    called_per_stage: Optional[Sequence[Sequence[str]]] = None) -> List[Tie]:
+        """Owners of the parameters outside the body: the ranks that computed their gradients, or else the rank that
+        called their module (see the module docstring).
 
         Args:
             used_per_stage: per pipeline rank, the canonical names of the parameters outside the body that
                 got a gradient in the first step.
+            called_per_stage: per pipeline rank, the paths of the modules outside the body whose forward ran in
+                the first step (:meth:`called_names`). Without it, a parameter no rank computed a gradient for
+                belongs to the last stage.
 
         Returns:
             The parameters that several stages computed gradients for and that are not tied by
@@ -181,8 +275,24 @@ class SplitModel:
             for name in names:
                 stages.setdefault(name, []).append(s)
         self.owner = {n: min(s) for n, s in stages.items()}
+        called = [set(c) for c in called_per_stage] if called_per_stage is not None else None
+        self.module_owner = {}
+        for path, m in release.named_outside_body(self.module, self.path):
+            self.module_owner[path] = self._caller(path, called)
+            for n in m._parameters:
+                name = self.canonical(f"{path}.{n}" if path else n)
+                if self.layer_of(name) is None and name not in self.owner:
+                    self.owner[name] = self.module_owner[path]
+        self.users = {n: set(stages.get(n, [self.owner[n]])) for n in self.owner}
         tied = {name for tie in self.ties for name in tie.names}
         return [Tie((name,), tuple(where)) for name, where in sorted(stages.items()) if len(where) > 1 and name not in tied]
+
+    def _caller(self, path: str, called: Optional[List[Set[str]]]) -> int:
+        """The rank that uses a module outside the body that got no gradient: the first stage's if it called it
+        (code before the body; the last stage runs it again only to discard it), else the last stage's."""
+        if called is not None and path in called[self.first_rank]:
+            return self.first_rank
+        return self.last_rank
 
     def owner_of(self, name: str) -> int:
         """The pipeline rank whose copy of a parameter or state-dict entry is authoritative."""
@@ -197,7 +307,7 @@ class SplitModel:
             return self.owner[name]
         module_path = name.rpartition(".")[0]  # buffers follow the parameters of their module
         owners = [s for n, s in self.owner.items() if n.rpartition(".")[0] == module_path]
-        return min(owners) if owners else 0
+        return min(owners) if owners else self.module_owner.get(module_path, 0)
 
     def owned_keys(self, keys: Sequence[str]) -> Set[str]:
         """The state-dict keys among ``keys`` that this rank saves: its layers', and those it owns outside."""

@@ -1,0 +1,202 @@
+"""Modules outside the body that the first training step does not train everywhere: frozen at first, used late.
+
+Which stage owns (trains, clips, saves) a parameter outside the body is learned from the first
+step: the stage that computed its gradient, or, for one no stage computed a gradient for (a head
+frozen in ``__init__``), the stage that called its module. A module released after the first step
+refuses to run, a gradient on a stage the first step did not learn is refused, and so is a training
+loss that does not require grad: each with a named error.
+
+Run as a script, this file is the app the launch test trains (``--strategy ddp|pipe``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from lightning_pipe import ConfigurationError  # noqa: E402
+from lightning_pipe.lightning.layer_list import CallChannel  # noqa: E402
+from lightning_pipe.lightning.losses import loss_of  # noqa: E402
+from lightning_pipe.lightning.split import SplitModel  # noqa: E402
+
+LAUNCH_TIMEOUT = 240
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+        self.aux = nn.Linear(8, 1)
+
+
+def _split(rank: int, net: Net) -> SplitModel:
+    return SplitModel(net, "body", net.body, [2, 2], rank, (0, 1), CallChannel(None))
+
+
+# -- ownership (no launch) -----------------------------------------------------------------------
+def test_a_parameter_no_stage_computed_a_gradient_for_belongs_to_the_stage_that_called_its_module():
+    """Regression: the frozen head defaulted to stage 0, which had released it (meta copy saved, clip skipped it)."""
+    split = _split(0, Net())
+    split.learn_usage([["embed.weight", "embed.bias"], []], [["embed"], ["embed", "head"]])
+    assert split.owner_of("embed.weight") == 0  # trained on the first stage
+    assert split.owner_of("head.weight") == split.owner_of("head.bias") == 1  # frozen, called after the body
+    assert split.owner_of("aux.weight") == 1  # never called: kept (and saved) by the last stage
+    split.learn_usage([[], []], [["embed"], ["embed", "head"]])
+    assert split.owner_of("embed.weight") == 0  # frozen embedding: the first stage's call counts, not the rerun
+    assert split.owned_keys(["embed.weight", "head.weight"]) == {"embed.weight"}
+    split.learn_usage([[], []])  # without the calls: the last stage, which runs all of the step's code
+    assert split.owner_of("head.weight") == 1
+
+
+def test_a_released_module_refuses_to_run_with_a_named_error_and_an_owned_one_is_kept():
+    net = Net()
+    net.head.requires_grad_(False)
+    split = _split(0, net)
+    net.embed.weight.grad = torch.zeros_like(net.embed.weight)
+    net.embed.bias.grad = torch.zeros_like(net.embed.bias)
+    split.learn_usage([["embed.weight", "embed.bias"], []], [["embed"], ["embed", "head"]])
+    split.release_unused({id(net.embed)}, [])
+    assert net.head.weight.is_meta and net.aux.weight.is_meta and not net.embed.weight.is_meta
+    with pytest.raises(ConfigurationError, match=r"self\.head \(Linear\) was called on pipeline rank 0 .*released"):
+        net.head(torch.zeros(1, 8))
+    net.embed(torch.zeros(1, 4))  # used here: runs
+
+    last = Net()
+    split = _split(1, last)
+    split.learn_usage([["embed.weight", "embed.bias"], []], [["embed"], ["embed", "head"]])
+    split.release_unused({id(last.embed), id(last.head)}, [])
+    assert not last.head.weight.is_meta and not last.aux.weight.is_meta  # aux: owned here, saved from here
+    last.aux(torch.zeros(1, 8))
+
+
+def test_a_gradient_on_a_stage_the_first_step_did_not_learn_is_refused():
+    """A module called on both stages, frozen at the first step (owned by the first stage), then unfrozen:
+    a gradient on the last stage would be neither summed with the first stage's nor saved."""
+    net = Net()
+    net.embed.requires_grad_(False)
+    split = _split(1, net)
+    split.learn_usage([[], ["head.weight", "head.bias"]], [["embed"], ["embed", "head"]])
+    split.release_unused({id(net.embed), id(net.head)}, [])
+    net.head(torch.ones(2, 8)).sum().backward()  # learned here: fine
+    net.embed(torch.ones(2, 4)).sum()  # frozen: nothing to refuse
+    net.embed.requires_grad_(True)
+    with pytest.raises(ConfigurationError, match=r"`embed\.(weight|bias)` .* got a gradient on pipeline rank 1"):
+        net.embed(torch.ones(2, 4)).sum().backward()
+
+
+def test_a_training_loss_that_does_not_require_grad_is_refused():
+    with pytest.raises(ConfigurationError, match="training_step returned a tensor that does not require grad"):
+        loss_of(torch.zeros(()), "training_step")
+    w = nn.Parameter(torch.ones(()))
+    with pytest.raises(ConfigurationError, match="a dict whose 'loss'"):
+        loss_of({"loss": (w * 2).detach()}, "training_step")
+    frozen = nn.Linear(2, 1).requires_grad_(False)
+    activation = torch.ones(1, 2, requires_grad=True)  # received from the previous stage
+    assert loss_of(frozen(activation).sum(), "training_step").requires_grad  # frozen last stage: fine
+    with torch.no_grad():
+        loss_of(w * 2, "training_step")  # no backward here (e.g. a forward under checkpointing)
+    assert loss_of(torch.zeros(()), "validation_step", required=False) is not None
+
+
+# -- against DDP (two launches) ------------------------------------------------------------------
+def _app(args) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import lightning_pipe
+
+    class Model(pl.LightningModule):
+        """Embedding and head frozen in __init__, unfrozen at epoch 1; an aux head used from step 2 on."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            net = Net()
+            self.embed, self.body, self.head, self.aux = net.embed, net.body, net.head, net.aux
+            self.embed.requires_grad_(False)
+            self.head.requires_grad_(False)
+
+        def on_train_epoch_start(self):
+            if self.current_epoch == 1:
+                self.embed.requires_grad_(True)
+                self.head.requires_grad_(True)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h = self.body(self.embed(x))
+            loss = nn.functional.mse_loss(self.head(h).squeeze(-1), y)
+            if self.global_step >= 2:
+                loss = loss + 0.5 * nn.functional.mse_loss(self.aux(h).squeeze(-1), y)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    class Losses(pl.Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].detach().cpu())
+
+    pl.seed_everything(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 4, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1).tanh())
+    strategy = lightning_pipe.PipeStrategy(num_microbatches=3, log_pipeline_metrics=False) if args.strategy == "pipe" \
+        else DDPStrategy(find_unused_parameters=True)
+    losses = Losses()
+    checkpoint = ModelCheckpoint(dirpath=os.path.join(args.root, "ckpt"), save_top_k=-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2 if args.strategy == "pipe" else 1, strategy=strategy, max_epochs=3,
+                         gradient_clip_val=0.05, callbacks=[losses, checkpoint], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=args.root)
+    model = Model()
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=12))
+    if trainer.is_global_zero:
+        saved = torch.load(checkpoint.best_model_path, map_location="cpu", weights_only=False)["state_dict"]
+        torch.save({"state_dict": {k: v.cpu() for k, v in model.state_dict().items()}, "losses": losses.losses,
+                    "checkpoint": saved}, args.out)
+
+
+def _launch(tmp_path_factory, strategy):
+    from tests.test_scaling import Launch, _env
+
+    root = tmp_path_factory.mktemp(f"outside_{strategy}")
+    out = root / "result.pt"
+    cmd = [sys.executable, os.path.abspath(__file__), "--strategy", strategy, "--root", str(root), "--out", str(out)]
+    codes, _, survivors, (output,) = Launch(root, [cmd], _env()).finish(LAUNCH_TIMEOUT)
+    assert codes == [0] and not survivors, f"{strategy} -> {codes}, survivors {survivors}:\n{output[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def test_a_head_frozen_at_first_then_unfrozen_with_clipping_and_checkpoints_trains_as_under_ddp(tmp_path_factory):
+    """Regression: the frozen head was owned by stage 0, which had released it: the checkpoint save failed
+    ('Cannot copy out of meta tensor') and, unfrozen, it was left out of the global clip norm."""
+    want = _launch(tmp_path_factory, "ddp")
+    got = _launch(tmp_path_factory, "pipe")
+    assert len(got["losses"]) == len(want["losses"]) == 6
+    torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(want["losses"]))
+    for what in ("state_dict", "checkpoint"):
+        assert got[what].keys() == want[what].keys()
+        for key, value in want[what].items():
+            torch.testing.assert_close(got[what][key], value, msg=lambda m: f"{what} {key}: {m}")
+    assert not torch.equal(want["state_dict"]["head.weight"], Net().head.weight.detach())  # unfrozen, trained
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["ddp", "pipe"], required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", required=True)
+    _app(parser.parse_args())
