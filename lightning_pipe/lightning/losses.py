@@ -28,9 +28,23 @@ LOSS_REDUCTIONS = ("mean", "sum")
 
 
 def loss_of(output: Any, hook: str, required: bool = True) -> Optional[torch.Tensor]:
-    """The loss in a step's result: the tensor itself or its ``"loss"`` entry."""
+    """The loss in a step's result: the tensor itself or its ``"loss"`` entry.
+
+    Raises:
+        ConfigurationError: ``required`` (a training step) and the loss, computed with gradients enabled,
+            does not require grad (DDP's backward would fail on it; the pipeline would step on no gradient).
+    """
     loss = output.get("loss") if isinstance(output, dict) else output
     if isinstance(loss, torch.Tensor):
+        if required and torch.is_grad_enabled() and not loss.requires_grad:
+            what = "a dict whose 'loss' is a tensor" if isinstance(output, dict) else "a tensor"
+            raise ConfigurationError(
+                f"{hook} returned {what} that does not require grad (shape {tuple(loss.shape)}, "
+                f"grad_fn={loss.grad_fn}): it does not depend on any trainable parameter, e.g. a constant like "
+                "`torch.zeros(())` or a `.detach()`ed loss. Lightning's DDP fails on it in backward ('element 0 of "
+                "tensors does not require grad'), and PipeStrategy would take an optimizer step on no gradient. Return "
+                "the loss computed from the model's output; to skip a batch, return `loss * 0` (or mask its samples)"
+            )
         return loss
     if required:
         raise ConfigurationError(
@@ -139,6 +153,8 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], key: str = "") 
     Example:
         >>> merge([{"preds": torch.zeros(2), "acc": 1.0}, {"preds": torch.ones(1), "acc": 0.0}], [2, 1])
         {'preds': tensor([0., 0., 1.]), 'acc': 0.6666666666666666}
+        >>> merge([(torch.zeros(2), ("a", "b")), (torch.ones(1), ("c",))], [2, 1])
+        (tensor([0., 0., 1.]), ('a', 'b', 'c'))
     """
     first = values[0]
     if all(v is None for v in values):
@@ -153,6 +169,11 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], key: str = "") 
         return _combine(values, weights, normalize=True)
     if all(isinstance(v, list) for v in values):
         return [x for v in values for x in v]
+    if all(type(v) is tuple for v in values):
+        if all(isinstance(x, (str, bytes)) for v in values for x in v):  # per-sample strings, as default_collate makes
+            return tuple(x for v in values for x in v)
+        if all(len(v) == len(first) for v in values):  # a step returning (predictions, targets)
+            return tuple(merge([v[i] for v in values], weights, key) for i in range(len(first)))
     return list(values)
 
 
