@@ -1,14 +1,33 @@
 """Splitting a batch into microbatches and merging outputs back.
 
-Any pytree (tuples, lists, dicts) of tensors is split along ``batch_dim``. Non-tensor leaves and
-tensors wrapped in :class:`NoChunk` are given whole to every microbatch. ``torch.tensor_split``
-decides the sizes, so 10 samples in 4 microbatches are 3, 3, 2, 2, and a batch smaller than the
-requested number of microbatches gives one microbatch per sample.
+Any pytree (tuples, lists, dicts, namedtuples) of tensors is split along ``batch_dim``. The rules,
+with ``B`` the size of the batch dimension that every splittable tensor shares:
+
+- a tensor with at least one dimension is split along ``batch_dim``;
+- a *per-sample sequence* is split like the tensors: a ``list`` of exactly ``B`` elements that are
+  all strings, bytes, numbers (``int``, ``float``, ``complex``, ``bool``) or ``None``; or a plain
+  ``tuple`` (not a namedtuple) of exactly ``B`` strings or bytes, which is what ``default_collate``
+  makes of per-sample strings (file names, captions, ids);
+- everything else is given whole to every microbatch: 0-dim tensors, tensors wrapped in
+  :class:`NoChunk`, other non-tensor leaves, lists and tuples of another length, and tuples of
+  numbers (use a tuple for per-batch numeric constants whose length may happen to equal ``B``).
+
+Containers that torch's pytree does not open (dataclasses, ``collections.UserDict`` and other
+``Mapping`` types such as Hugging Face's ``BatchEncoding``, objects carrying tensors as attributes)
+are refused with a :class:`~lightning_pipe.errors.ConfigurationError` naming the type when they
+hold tensors, rather than given whole to every microbatch: convert them to a dict, tuple or
+namedtuple in the ``collate_fn`` (or in ``LightningModule.on_before_batch_transfer``).
+
+``torch.tensor_split`` decides the sizes, so 10 samples in 4 microbatches are 3, 3, 2, 2, and a
+batch smaller than the requested number of microbatches gives one microbatch per sample.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+import dataclasses
+import itertools
+from collections.abc import Mapping
+from typing import Any, List, Optional, Sequence
 
 import torch
 # torch's pytree helpers are private but stable and used throughout torch.distributed; a public
@@ -36,11 +55,62 @@ class NoChunk:
         return f"NoChunk({self.tensor!r})"
 
 
+SCALARS = (str, bytes, int, float, complex, bool, type(None))
+
+
+def is_sample_list(value: Any, batch_size: int) -> bool:
+    """Whether ``value`` is a per-sample sequence of a batch of ``batch_size`` (see the module docstring)."""
+    if type(value) is tuple:
+        return len(value) == batch_size > 0 and all(isinstance(v, (str, bytes)) for v in value)
+    return isinstance(value, list) and len(value) == batch_size > 0 and all(isinstance(v, SCALARS) for v in value)
+
+
+def _opaque_contents(leaf: Any) -> Optional[dict]:
+    """The fields of a container torch's pytree treats as a leaf (dataclass, non-dict Mapping, object), else None."""
+    if isinstance(leaf, (torch.Tensor, NoChunk, type) + SCALARS):
+        return None
+    if dataclasses.is_dataclass(leaf):
+        return {f.name: getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)}
+    if isinstance(leaf, Mapping):
+        try:
+            return dict(leaf.items())
+        except Exception:  # noqa: BLE001 - an exotic mapping: not ours to judge
+            return None
+    return dict(vars(leaf)) if hasattr(leaf, "__dict__") and not callable(leaf) else None
+
+
+def _check_opaque(leaves: Sequence[Any], batch_size: Optional[int], batch_dim: int) -> None:
+    """Refuse a container that hides batched tensors from the split (it would reach every microbatch whole).
+
+    With ``batch_size`` None (no visible tensor to split) any tensor inside counts; else one whose
+    ``batch_dim`` has ``batch_size`` elements.
+    """
+    for leaf in leaves:
+        contents = _opaque_contents(leaf)
+        if contents is None:
+            continue
+        inner, _ = tree_flatten(list(contents.values()), is_leaf=lambda x: isinstance(x, NoChunk))
+        if any(isinstance(t, torch.Tensor) and (batch_size is None or t.dim() > 0 and -t.dim() <= batch_dim < t.dim()
+                                                and t.shape[batch_dim] == batch_size) for t in inner):
+            kind = "a dataclass" if dataclasses.is_dataclass(leaf) else \
+                "a Mapping that is not a dict" if isinstance(leaf, Mapping) else "an object with tensor attributes"
+            fix = "a namedtuple with the same fields (attribute access keeps working)" \
+                if dataclasses.is_dataclass(leaf) else "`dict(batch)` (item access keeps working)" \
+                if isinstance(leaf, Mapping) else "a dict, tuple or namedtuple"
+            raise ConfigurationError(
+                f"the batch holds a {type(leaf).__module__}.{type(leaf).__qualname__} ({kind}), a container "
+                "lightning_pipe cannot look into to split its tensors into microbatches (it splits tensors inside "
+                f"tuples, lists, dicts and namedtuples). Return {fix} from the DataLoader's collate_fn, or convert "
+                "the batch in LightningModule.on_before_batch_transfer"
+            )
+
+
 def batch_size_of(inputs: Any, batch_dim: int = 0) -> int:
     """The size of the batch dimension shared by every splittable tensor in ``inputs``.
 
     Raises:
-        ConfigurationError: no tensor to split, or tensors disagree on the batch size.
+        ConfigurationError: no tensor to split, tensors disagree on the batch size, or a container
+            that hides tensors from the split (see the module docstring).
     """
     leaves, _ = tree_flatten(inputs)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
@@ -52,6 +122,7 @@ def batch_size_of(inputs: Any, batch_dim: int = 0) -> int:
         )
     sizes = {tuple(t.shape): t.shape[batch_dim] for t in tensors}
     found = set(sizes.values())
+    _check_opaque(leaves, next(iter(found)) if len(found) == 1 else None, batch_dim)
     if not found:
         raise ConfigurationError(
             "the inputs hold no tensor with a batch dimension to split into microbatches; "
@@ -68,6 +139,8 @@ def batch_size_of(inputs: Any, batch_dim: int = 0) -> int:
 def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
     """Split ``inputs`` into ``min(chunks, batch size)`` microbatches of the same structure.
 
+    Tensors and per-sample lists are split, everything else is given whole (see the module docstring).
+
     Example:
         >>> parts = scatter((torch.arange(10), "tag"), chunks=4)
         >>> [p[0].tolist() for p in parts], parts[0][1]
@@ -75,12 +148,16 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
     """
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
-    leaves, spec = tree_flatten(inputs, is_leaf=lambda x: isinstance(x, NoChunk))
-    num_microbatches = min(chunks, batch_size_of(inputs, batch_dim))
+    batch_size = batch_size_of(inputs, batch_dim)
+    num_microbatches = min(chunks, batch_size)
+    leaves, spec = tree_flatten(inputs, is_leaf=lambda x: isinstance(x, NoChunk) or is_sample_list(x, batch_size))
+    ends = list(itertools.accumulate(microbatch_sizes(batch_size, num_microbatches)))
     columns = []
     for leaf in leaves:
         if isinstance(leaf, NoChunk):
             columns.append([leaf.tensor] * num_microbatches)
+        elif isinstance(leaf, (list, tuple)):  # a per-sample sequence (the only list or tuple leaf)
+            columns.append([leaf[end - size:end] for end, size in zip(ends, microbatch_sizes(batch_size, num_microbatches))])
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             columns.append(torch.tensor_split(leaf, num_microbatches, dim=batch_dim))
         else:

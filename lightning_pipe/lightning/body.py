@@ -12,6 +12,16 @@ of the unpartitioned model). What calling the stand-in does depends on where the
 - ``"replace"``: return the output the pipeline computed, whatever the input (last stage);
 - ``"released"``: refuse to run (after ``fit`` without gathering the whole model).
 
+Seen from the user's code, the ``nn.Sequential`` stand-in is the whole body once
+:func:`present_whole_body` has run (the strategy calls it at setup): ``len``, iteration and indexing
+(``self.body[-1]``, ``self.body[:2]``) give every layer of the body in order, other stages' layers
+being their released (``meta``) copies, as the ``nn.ModuleList`` stand-in does with its block
+proxies. So ``configure_optimizers`` builds the same param groups as without PipeStrategy
+(layer-wise learning rates, a last layer of its own): groups over released parameters are
+harmless, the optimizers hold meta stand-ins for those anyway (see :mod:`.release`). Registered
+children stay the local layers only: ``parameters()``, ``state_dict()`` and ``named_modules()``
+are this rank's part, and calling the stand-in runs only the local layers.
+
 Under an interleaved placement a rank holds several stages (``stages``, e.g. stages 1 and 3 of 4):
 the stand-in still holds all of the rank's layers under their original names, and the pipeline
 runs each stage through a chunk (:meth:`StandIn.chunk`) that holds only that stage's layers.
@@ -19,6 +29,7 @@ runs each stage through a chunk (:meth:`StandIn.chunk`) that holds only that sta
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
@@ -26,7 +37,6 @@ from torch import nn
 
 from lightning_pipe.checkpoint import checkpointed
 from lightning_pipe.errors import BodyCallError, ConfigurationError
-from lightning_pipe.partition import SequentialModel
 from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
 BODY_KINDS = (nn.Sequential, nn.ModuleList)
@@ -182,16 +192,45 @@ class PipelinedSequential(StandIn, nn.Sequential):
         # not registered: the layers' names stay the body's own (a second path would add state-dict keys)
         self.__dict__["chunks"] = [self] if len(layers) == 1 else [SequentialChunk(self, part) for part in layers]
 
+    # -- what the user's code sees: the whole body (see the module docstring) --------------------
+    def _presented(self) -> List[nn.Module]:
+        whole = self.__dict__.get("whole_layers")
+        return list(self._modules.values()) if whole is None else whole
+
+    def __len__(self) -> int:
+        return len(self._presented())
+
+    def __iter__(self):
+        return iter(self._presented())
+
+    def __getitem__(self, index):
+        layers = self._presented()
+        if isinstance(index, slice):
+            names = list(self.__dict__.get("whole_names") or self._modules)
+            return nn.Sequential(OrderedDict(zip(names[index], layers[index])))
+        index = operator.index(index)
+        if not -len(layers) <= index < len(layers):
+            raise IndexError(f"index {index} is out of range for a body of {len(layers)} layers")
+        return layers[index]
+
     def run_layers(self, *inputs, layers: Optional[nn.Sequential] = None):
-        layers = self if layers is None else layers
+        """The registered (local) layers of ``layers`` (default: this rank's) on ``inputs``."""
+        local = (self if layers is None else layers)._modules.values()  # never the presented whole body
         if self.multi_value:
-            return SequentialModel.forward(layers, *inputs)
+            values = inputs
+            for layer in local:
+                out = layer(*values)
+                values = out if isinstance(out, tuple) else (out,)
+            return values[0] if len(values) == 1 else values
         if len(inputs) != 1:
             raise ConfigurationError(
                 f"the body is an nn.Sequential, which takes one input, but stage {self.stage_index} got {len(inputs)}; "
                 "use lightning_pipe.SequentialModel for layers that pass several values"
             )
-        return nn.Sequential.forward(layers, inputs[0])
+        hidden = inputs[0]
+        for layer in local:
+            hidden = layer(hidden)
+        return hidden
 
     def forward(self, *inputs):
         self.refuse_if_released()
@@ -208,6 +247,18 @@ class PipelinedSequential(StandIn, nn.Sequential):
         if self.mode == "stop":
             raise BodyReached(outputs if isinstance(outputs, tuple) else (outputs,))
         return outputs
+
+
+def present_whole_body(stand_in: StandIn, body: nn.Module) -> None:
+    """Make an ``nn.Sequential`` stand-in present every layer of ``body`` to ``len``, iteration and indexing.
+
+    ``body`` is the unsplit body (other stages' layers in it released to ``meta``); only the
+    stand-in's registered children (the local layers) are its parameters, state and computation.
+    A ``nn.ModuleList`` stand-in presents the whole list already; for it this does nothing.
+    """
+    if isinstance(stand_in, PipelinedSequential):
+        stand_in.__dict__["whole_layers"] = list(body._modules.values())  # not registered: no new state-dict keys
+        stand_in.__dict__["whole_names"] = list(body._modules)
 
 
 class SequentialChunk(nn.Sequential):

@@ -11,14 +11,23 @@ and whole on the last one. Two consequences are handled here.
   changed in place by the step (an EMA teacher updated in ``training_step``), or a buffer
   registered on the LightningModule itself changed in place (a queue, its pointer), raise
   :class:`~lightning_pipe.errors.SideEffectError`; a number attribute changed by the step (a
-  counter) gets a one-time warning. Buffers of submodules (BatchNorm statistics and the like) are
-  updated by their own forward, once per microbatch, as the body's are. These checks run on the
-  first step of each kind.
+  counter) gets a one-time warning. These checks run on the first step of each kind.
+- **Buffers of submodules updated in their forward** (a running count, an EMA codebook as in a
+  VQ-VAE) are updated once per microbatch, ``num_microbatches`` times per step instead of once:
+  inherent to microbatching. :class:`BufferWatch` compares every buffer of the module this rank
+  holds (``_version`` and identity) before and after the first training step that has several
+  microbatches and warns once, naming the buffers that changed. Normalization running statistics
+  (BatchNorm, InstanceNorm with ``track_running_stats``, DeferredBatchNorm) are left out whether or
+  not ``deferred_batch_norm`` is set: with it they are updated once per batch, and without it
+  their per-microbatch update is the documented behaviour of ``deferred_batch_norm=False``.
+  Buffers registered on the LightningModule itself are the step's own side effects (above).
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import warnings
 
 import torch
 from lightning.pytorch import LightningModule
@@ -144,3 +153,62 @@ class StepEffects:
 
 
 _MISSING = object()
+
+
+def _stateful_buffers(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """The buffers of ``module``'s submodules that a forward could update, held on this rank.
+
+    Left out: normalization running statistics (see the module docstring), released (meta) buffers
+    and the LightningModule's own buffers (checked as the step's side effects by :class:`StepEffects`).
+    """
+    out = []
+    for prefix, sub in module.named_modules():
+        if not prefix or isinstance(sub, nn.modules.batchnorm._NormBase):
+            continue
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and not buffer.is_meta:
+                out.append((f"{prefix}.{name}", buffer))
+    return out
+
+
+class BufferWatch:
+    """Warns once when the first training step with several microbatches changed submodules' buffers.
+
+    Call :meth:`before` before the pipeline runs the step and :meth:`after` once it has (on every
+    stage: the body's layers update their buffers in the pipeline's forward, which on a middle
+    stage runs no user code). Both do nothing after the first check.
+
+    Args:
+        module: the LightningModule (its body being this rank's stand-in).
+        checkpointing: whether activation checkpointing recomputes the forward in backward.
+    """
+
+    def __init__(self, module: nn.Module, checkpointing: bool = False) -> None:
+        self.module = module
+        self.checkpointing = checkpointing
+        self.done = False
+
+    def before(self) -> Optional[Dict[str, Tuple[int, int]]]:
+        if self.done:
+            return None
+        return {name: (id(b), b._version) for name, b in _stateful_buffers(self.module)}
+
+    def after(self, snapshot: Optional[Dict[str, Tuple[int, int]]], num_microbatches: int) -> List[str]:
+        """Warn about the buffers changed since ``snapshot``; return their names (empty when none or not checked)."""
+        if snapshot is None or num_microbatches < 2:
+            return []  # one microbatch: updated once per step, as without PipeStrategy
+        self.done = True
+        changed = [name for name, b in _stateful_buffers(self.module)
+                   if name in snapshot and snapshot[name] != (id(b), b._version)]
+        if changed:
+            again = " (and again when activation checkpointing recomputes the forward in backward)" \
+                if self.checkpointing else ""
+            warnings.warn(
+                f"PipeStrategy: the buffer{'s' if len(changed) > 1 else ''} `{'`, `'.join(changed)}` changed in the "
+                f"training step. A module's forward runs once per microbatch, so such a buffer (a running count, an "
+                f"EMA) is updated once per microbatch, {num_microbatches} times per step instead of once{again}: "
+                "inherent to microbatching. Account for it in the update (e.g. a momentum per microbatch), update the "
+                "buffer once per batch in on_train_batch_end, or use num_microbatches=1. (BatchNorm running statistics "
+                "are left out here: PipeStrategy(deferred_batch_norm=True) updates them once per batch.)",
+            )
+        return changed

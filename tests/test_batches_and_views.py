@@ -1,0 +1,242 @@
+"""Per-sample lists in batches, containers the split cannot open, the Sequential stand-in's view of the
+whole body, and buffers updated once per microbatch.
+
+Unit tests first; then one model trained under DDP (1 device) and PipeStrategy (2 stages), two
+launches: its batch carries per-sample strings that weigh the loss, with 1-sample microbatches, and
+its ``configure_optimizers`` gives the layers of its ``nn.Sequential`` body decaying learning rates
+over ``len``/``enumerate(self.body)`` and ``self.body[-1]`` one of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import sys
+import textwrap
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.lightning.body import PipelinedSequential, present_whole_body
+from lightning_pipe.lightning.effects import BufferWatch
+from lightning_pipe.microbatch import scatter
+
+
+# -- scatter: per-sample lists ------------------------------------------------------------------
+def test_a_list_of_per_sample_strings_is_split_with_the_tensors():
+    names = ["a0", "b1", "a2", "b3", "a4"]
+    parts = scatter((torch.arange(5), torch.ones(5, 2), names), chunks=2)
+    assert [p[2] for p in parts] == [["a0", "b1", "a2"], ["b3", "a4"]]
+    assert [p[0].tolist() for p in parts] == [[0, 1, 2], [3, 4]]
+    parts = scatter({"x": torch.zeros(3), "ids": [7, 8, 9]}, chunks=8)  # one sample per microbatch
+    assert [p["ids"] for p in parts] == [[7], [8], [9]]
+    collated = torch.utils.data.default_collate([(torch.ones(2), f"s{i}") for i in range(3)])  # strings: a tuple
+    assert [p[1] for p in scatter(collated, chunks=3)] == [("s0",), ("s1",), ("s2",)]
+
+
+def test_tuples_and_lists_of_another_length_or_of_tensors_stay_as_before():
+    x = torch.arange(4)
+    parts = scatter((x, (1, 2, 3, 4), ["k", "l"], [x, x * 2], ["a", None, 3, torch.tensor(1.0)], ("k", "l")), chunks=2)
+    for i, part in enumerate(parts):
+        assert part[1] == (1, 2, 3, 4) and part[2] == ["k", "l"] and part[5] == ("k", "l")  # whole
+        torch.testing.assert_close(part[3][1], (x * 2)[2 * i:2 * i + 2])  # a list of tensors: its tensors split
+        assert part[4][:3] == ["a", None, 3]  # a list holding a tensor: not a per-sample list
+
+
+@dataclasses.dataclass
+class _Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _BatchEncoding(collections.UserDict):  # what Hugging Face's BatchEncoding is
+    pass
+
+
+@pytest.mark.parametrize("batch, kind", [
+    (_Pair(torch.zeros(4, 2), torch.zeros(4)), "_Pair (a dataclass)"),
+    (_BatchEncoding(x=torch.zeros(4, 2)), "_BatchEncoding (a Mapping that is not a dict)"),
+    ((torch.zeros(4), _Pair(torch.zeros(4, 2), torch.zeros(4))), "_Pair (a dataclass)"),  # would go whole: refused
+])
+def test_a_container_the_split_cannot_open_is_named_with_the_fix(batch, kind):
+    with pytest.raises(ConfigurationError, match=kind.replace("(", r"\(").replace(")", r"\)")) as info:
+        scatter(batch, chunks=2)
+    assert "no tensor" not in str(info.value) and "collate_fn" in str(info.value)
+
+
+def test_an_object_with_unbatched_tensors_is_still_given_whole():
+    table = _Pair(torch.zeros(7), torch.zeros(7))  # batch size 4: not the batch's
+    parts = scatter((torch.zeros(4), table), chunks=2)
+    assert all(p[1] is table for p in parts)
+
+
+# -- the nn.Sequential stand-in presents the whole body --------------------------------------------
+def _stand_in(stage):
+    body = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])
+    ranges = [(0, 2), (2, 5)]
+    a, b = ranges[stage]
+    names = list(body._modules)
+    stand_in = PipelinedSequential([OrderedDict((n, body._modules[n]) for n in names[a:b])], False, (stage,), 2)
+    present_whole_body(stand_in, body)
+    return body, stand_in
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_len_iteration_and_indexing_give_the_whole_body(stage):
+    body, stand_in = _stand_in(stage)
+    assert len(stand_in) == 5
+    assert list(stand_in) == list(body) and [m for _, m in enumerate(stand_in)] == list(body)
+    assert stand_in[-1] is body[4] and stand_in[0] is body[0]
+    assert list(stand_in[1:3]) == [body[1], body[2]] and list(stand_in[1:3]._modules) == ["1", "2"]
+    with pytest.raises(IndexError):
+        stand_in[5]
+    local = ["0", "1"] if stage == 0 else ["2", "3", "4"]  # state, parameters and forward stay local
+    assert sorted({k.split(".")[0] for k in stand_in.state_dict()}) == local
+    assert len(list(stand_in.parameters())) == 2 * len(local)
+    x = torch.randn(3, 2)
+    expected = x
+    for name in local:
+        expected = body._modules[name](expected)
+    torch.testing.assert_close(stand_in(x), expected)
+
+
+# -- buffers updated once per microbatch -------------------------------------------------------
+class _Count(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n += 1
+        return x
+
+
+def _watched_model():
+    model = nn.Module()
+    model.body = nn.Sequential(nn.Linear(2, 2), _Count(), nn.BatchNorm1d(2), nn.Linear(2, 2))
+    return model
+
+
+def test_a_buffer_changed_in_the_step_gets_one_warning_naming_it():
+    model = _watched_model()
+    watch = BufferWatch(model)
+    for step in range(2):
+        snapshot = watch.before()
+        for _ in range(3):  # three microbatches
+            model.body(torch.randn(4, 2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            changed = watch.after(snapshot, num_microbatches=3)
+        if step == 0:
+            assert changed == ["body.1.n"]  # BatchNorm's running statistics left out
+            assert len(caught) == 1 and "`body.1.n`" in str(caught[0].message) and "3 times per step" in str(caught[0].message)
+        else:
+            assert snapshot is None and changed == [] and not caught  # once
+
+
+def test_no_warning_without_a_change_or_with_one_microbatch():
+    model = _watched_model()
+    model.body[1].forward = lambda x: x
+    watch = BufferWatch(model)
+    snapshot = watch.before()
+    model.body(torch.randn(4, 2))
+    assert watch.after(snapshot, num_microbatches=3) == []
+    model = _watched_model()
+    watch = BufferWatch(model)
+    snapshot = watch.before()
+    model.body(torch.randn(4, 2))
+    assert watch.after(snapshot, num_microbatches=1) == [] and not watch.done
+
+
+# -- against DDP -------------------------------------------------------------------------------
+APP = textwrap.dedent('''
+    import sys
+    import torch
+    from torch import nn
+    import lightning.pytorch as pl
+    sys.path.insert(0, sys.argv[3])
+    from lightning_pipe import PipeStrategy
+
+    class Count(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("n", torch.zeros(()))
+        def forward(self, x):
+            if self.training:
+                self.n += 1
+            return x
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(12, 4, generator=g)
+            self.y = (self.x.sum(1) > 0).float()
+        def __len__(self):
+            return 12
+        def __getitem__(self, i):
+            return self.x[i], self.y[i], "ab"[i % 2] + str(i)
+
+    class M(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Count(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+            self.head = nn.Linear(8, 1)
+        def training_step(self, batch, batch_idx):
+            x, y, names = batch
+            w = torch.tensor([1.0 if s.startswith("a") else 3.0 for s in names])
+            logit = self.head(self.body(self.embed(x))).squeeze(-1)
+            return (nn.functional.binary_cross_entropy_with_logits(logit, y, reduction="none") * w).mean()
+        def configure_optimizers(self):
+            n = len(self.body)
+            groups = [{"params": list(b.parameters()), "lr": 0.2 * 0.5 ** (n - 1 - i)} for i, b in enumerate(self.body)
+                      if not isinstance(b, nn.Tanh) and b is not self.body[-1]]
+            groups.append({"params": list(self.body[-1].parameters()), "lr": 0.3})
+            groups.append({"params": list(self.embed.parameters()) + list(self.head.parameters())})
+            return torch.optim.SGD(groups, lr=0.1)
+
+    if __name__ == "__main__":
+        pipe = sys.argv[1] == "pipe"
+        torch.manual_seed(0)
+        model = M()
+        strategy = PipeStrategy(num_microbatches=4, schedule="gpipe", log_pipeline_metrics=False) if pipe else "ddp"
+        trainer = pl.Trainer(accelerator="cpu", devices=2 if pipe else 1, strategy=strategy, max_epochs=2, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer.fit(model, torch.utils.data.DataLoader(Data(), batch_size=4))
+        if trainer.is_global_zero:
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, sys.argv[2])
+''')
+
+
+def test_per_sample_strings_and_layer_wise_learning_rates_over_a_sequential_body_train_as_ddp(tmp_path):
+    """Regressions: with 1-sample microbatches each got the whole list of names, so the weights tensor
+    broadcast (a different loss, silently); and ``len``/``enumerate``/``[-1]`` of the body gave the
+    stage's layers only, so the learning rates of the layer-wise decay differed from DDP's."""
+    from tests.test_scaling import Launch, _env
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "app.py"
+    script.write_text(APP)
+    outputs = {}
+    for mode in ("ref", "pipe"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        env = _env()
+        env["PYTHONWARNINGS"] = "ignore,default:::lightning_pipe.lightning.effects"
+        codes, _, survivors, (output,) = Launch(folder, [[sys.executable, str(script), mode, str(folder / "sd.pt"),
+                                                          root]], env).finish(240)
+        assert codes == [0] and not survivors, f"{mode} -> {codes}, survivors {survivors}:\n{output[-6000:]}"
+        outputs[mode] = output
+    ref, pipe = (torch.load(tmp_path / m / "sd.pt") for m in ("ref", "pipe"))
+    assert ref.keys() == pipe.keys()
+    for key in ref:
+        if key == "body.2.n":  # updated once per microbatch: 4 times per step, and said so
+            torch.testing.assert_close(pipe[key], 4 * ref[key])
+        else:
+            torch.testing.assert_close(pipe[key], ref[key], msg=key)
+    assert "`body.2.n`" in outputs["pipe"] and "4 times per step" in outputs["pipe"]
