@@ -100,3 +100,50 @@ def broadcast_module(module: nn.Module, device: torch.device, bucket_bytes: int 
             dist.broadcast(flat, src=0)
             for t, synced in zip(tensors, _unflatten(flat, tensors)):
                 t.copy_(synced)
+
+
+_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def stage_norms(tensors: Mapping[int, torch.Tensor], norm_type: float, foreach: Optional[bool] = None) -> Dict[int, torch.Tensor]:
+    """Each tensor's ``norm_type``-norm, as ``torch.nn.utils.get_total_norm`` computes it (``_foreach_norm``
+    per device and dtype where it can), keyed like ``tensors``."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    groups: Dict[tuple, List[int]] = {}
+    for key, t in tensors.items():
+        groups.setdefault((t.device, t.dtype), []).append(key)
+    norms: Dict[int, torch.Tensor] = {}
+    for (device, _), keys in groups.items():
+        group = [tensors[k] for k in keys]
+        if foreach is not False and _has_foreach_support(group, device):
+            values = torch._foreach_norm(group, norm_type)
+        else:
+            values = [torch.linalg.vector_norm(t, norm_type) for t in group]
+        norms.update(zip(keys, values))
+    return norms
+
+
+def total_norm_over_stages(norms: Mapping[int, torch.Tensor], size: int, norm_type: float, group,
+                           device: torch.device) -> Optional[torch.Tensor]:
+    """``get_total_norm`` of tensors spread over the pipeline's stages, as one process computes it.
+
+    ``norms``: position (in the whole model's parameter order, ``0 <= position < size``) -> this rank's norm
+    of the tensor there, given by the one rank that counts it (a tied parameter once). One all-reduce
+    over ``group`` gathers every stage's norms; they are stacked in position order and reduced in the
+    dtype torch would use, so the result equals the norm of the unsplit model's tensors taken in
+    parameter order. Returns None when no stage gave a norm (torch returns ``tensor(0.0)`` then).
+    """
+    buffer = torch.zeros(2 * size + len(_NORM_DTYPES), dtype=torch.float64, device=device)
+    for position, norm in norms.items():
+        buffer[position] = norm.detach().to(device, torch.float64)
+        buffer[size + position] = 1.0
+        dtype = norm.dtype if norm.dtype in _NORM_DTYPES else torch.float32
+        buffer[2 * size + _NORM_DTYPES.index(dtype)] = 1.0
+    dist.all_reduce(buffer, group=group)
+    present = buffer[size:2 * size] > 0
+    if not bool(present.any()):
+        return None
+    flags = buffer[2 * size:].tolist()
+    dtype = functools.reduce(torch.promote_types, [d for d, f in zip(_NORM_DTYPES, flags) if f > 0])
+    return torch.linalg.vector_norm(buffer[:size][present].to(dtype), norm_type)

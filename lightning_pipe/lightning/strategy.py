@@ -39,7 +39,8 @@ from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.faults import end_launched_ranks, report_job_error
 from lightning_pipe.lightning import hooks, logs, profile, release, scaling, tracing
-from lightning_pipe.lightning.effects import StepEffects
+from lightning_pipe.lightning.body import present_whole_body
+from lightning_pipe.lightning.effects import BufferWatch, StepEffects
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
 from lightning_pipe.lightning.layout import gather_whole_model, plan
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
@@ -256,10 +257,13 @@ class PipeStrategy(DDPStrategy):
         if fitting and not module.automatic_optimization:
             raise ConfigurationError("PipeStrategy supports automatic optimization only: the pipeline runs forward and "
                                      "backward inside training_step. Remove `self.automatic_optimization = False`")
+        if fitting:
+            self._refuse_unsupported_callbacks(trainer)
         scaling.share_loss_scaler(self.precision_plugin, self.root_device)
         if self.split is None or self.split.module is not module:
             self._split_module(module, trainer)
         self.split.install(whole=False)
+        present_whole_body(self.split.stand_in, self.split.body)  # configure_optimizers sees every layer
         self.split.stand_in.begin_step("local")
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -290,10 +294,13 @@ class PipeStrategy(DDPStrategy):
         if fitting:
             with trainable_placeholder(module, self.root_device):
                 self.setup_optimizers(trainer)
+            self._refuse_unsupported_optimizers()
             self._checkpoints.record_layouts(self._bare_optimizers())
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             if self.pp_size > 1:
                 hooks.combine_stage_logs(self, module, trainer.callbacks)
+                hooks.norms_over_stages(self)  # the user's own clip_grad_norm_ in those hooks: over all stages
+                hooks.support_finetuning(self, trainer.callbacks)
             v = self.stages_per_rank
             stages = f"{self.pp_size} stages" if v == 1 else f"{self.pp_size * v} stages ({v} per process)"
             rank_zero_info(f"PipeStrategy: {stages} x {self.dp_size} replicas, schedule {self.schedule}, "
@@ -306,6 +313,46 @@ class PipeStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _refuse_unsupported_callbacks(self, trainer: Any) -> None:
+        """Callbacks that cannot run on a split module: refused on every rank, before any collective."""
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        if self.pp_size == 1:
+            return
+        for callback in trainer.callbacks:
+            if isinstance(callback, StochasticWeightAveraging):
+                raise ConfigurationError(
+                    f"PipeStrategy does not support the {type(callback).__name__} callback: it copies the whole "
+                    "LightningModule and averages every parameter in one process, while each pipeline stage holds only "
+                    "its own layers (the others are meta tensors). Remove the callback, or average the weights after "
+                    "fit (the whole model is gathered back into the module), or train with pipe_size=1")
+
+    def _refuse_unsupported_optimizers(self) -> None:
+        """Optimizers whose step needs the whole model in one process (every rank builds the same ones, and
+        refuses them before its first collective)."""
+        if self.pp_size == 1:
+            return
+        for optimizer in self._bare_optimizers():
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise ConfigurationError(
+                    f"PipeStrategy does not support {type(optimizer).__name__}: its step calls the closure several "
+                    "times and computes norms and dot products over all its parameters, which each pipeline stage "
+                    "would compute over its own layers only (steps unlike DDP's). Use a first-order optimizer (SGD, "
+                    "Adam, AdamW, ...), or train with pipe_size=1")
+
+    def _refresh_layouts(self) -> None:
+        """Record the optimizers' param-group layouts again (a collective): groups may have been added since
+        setup (``BaseFinetuning.unfreeze_and_add_param_group``). Every stage must hold as many groups."""
+        optimizers = self._bare_optimizers()
+        counts: List[Any] = [None] * self.pp_size
+        dist.all_gather_object(counts, [len(o.param_groups) for o in optimizers], group=self.pp_group)
+        if any(c != counts[0] for c in counts):
+            raise ConfigurationError(
+                f"the optimizers have different numbers of param groups on the pipeline's stages ({counts}): a param "
+                "group was added on some stages only (e.g. unfreeze_and_add_param_group of modules that only some "
+                "stages hold). Add param groups on every stage, e.g. for modules outside the body or the whole body")
+        self._checkpoints.record_layouts(optimizers)
+
     def _stage_rows(self) -> List[str]:
         rows = self.split.describe(self.dp_size)
         if self._costs is None:
@@ -317,6 +364,7 @@ class PipeStrategy(DDPStrategy):
         layout = plan(self, module, trainer)
         self.split, self._costs, self._sharded = layout.split, layout.costs, layout.sharded
         self._effects = StepEffects(module, 1)
+        self._buffer_watch = BufferWatch(module, checkpointing=self.checkpoint != "never")
         self._recorder = logs.LogRecorder(module, self.split.path)
         self._runner = StepRunner(module, self.split.stand_in, self.split.path, self._recorder, self._effects,
                                   self.checkpoint, self.loss_reduction)
@@ -339,6 +387,7 @@ class PipeStrategy(DDPStrategy):
             if self._zeroed_after_step(module.trainer):
                 earlier = {}  # stale: Lightning zeroes them after this step; freed now, before new ones exist
             posted = self._post_results()
+            buffers = self._buffer_watch.before()
             with self._recorder.recording(), release.calls_recorded() as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
@@ -346,6 +395,7 @@ class PipeStrategy(DDPStrategy):
                     loss_scale=scaling.loss_scale(self.precision_plugin, self.root_device)
                     / module.trainer.accumulate_grad_batches, sync_replicas=overlap,
                 )
+            self._buffer_watch.after(buffers, len(self._pipeline.last_sizes))
             if self.deferred_batch_norm:
                 commit_deferred_batch_norm(module)
             if self._ties is None:
@@ -395,8 +445,8 @@ class PipeStrategy(DDPStrategy):
         split, module = self.split, self.lightning_module
         used = [split.canonical(n) for n, p in module.named_parameters() if split.layer_of(n) is None and p.grad is not None]
         per_stage: List[Any] = [None] * self.pp_size
-        dist.all_gather_object(per_stage, used, group=self.pp_group)
-        shared = split.learn_usage(per_stage)
+        dist.all_gather_object(per_stage, (used, split.called_names(self._called)), group=self.pp_group)
+        shared = split.learn_usage([u for u, _ in per_stage], [c for _, c in per_stage])
         self._ties = TiedGradients(split.ties + shared, module, self.stage_index, self.pp_group)
         tied = sorted({tie.names[0] for tie in self._ties.ties})
         if tied:
@@ -528,6 +578,8 @@ class PipeStrategy(DDPStrategy):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if self._checkpoints is None or optimizer not in self._bare_optimizers():
             return super().optimizer_state(optimizer)
+        if self.pp_size > 1 and optimizer is self._bare_optimizers()[0]:
+            self._refresh_layouts()  # once per checkpoint, on every rank
         return self._checkpoints.optimizer_state(optimizer, self._bare_optimizers().index(optimizer),
                                                  gather=not self._sharded)
 
@@ -557,6 +609,10 @@ class PipeStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
         if self._checkpoints is None:
             return super().load_optimizer_state_dict(checkpoint)
+        if self.pp_size > 1:  # Lightning's BaseFinetuning.on_fit_start ran before its state was loaded: its groups now
+            trainer = self.lightning_module.trainer
+            if hooks.restore_finetuning_groups(self, trainer.callbacks, self._bare_optimizers()):
+                self._refresh_layouts()
         self._checkpoints.load_optimizer_states(self._bare_optimizers(), checkpoint["optimizer_states"])
 
     # -- the end -------------------------------------------------------------------------------

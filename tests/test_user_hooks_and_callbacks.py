@@ -1,0 +1,256 @@
+"""The user's own gradient code and Lightning's callbacks under PipeStrategy, against Lightning DDP.
+
+One launch per strategy (``python tests/test_user_hooks_and_callbacks.py --strategy pipe|ddp``),
+each running, in the same processes, a fit and a resume from its epoch-1 checkpoint:
+
+- ``on_before_optimizer_step`` calls ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` itself
+  and logs what it returns, plus ``get_total_norm`` of a subset (the body's gradients, inf-norm)
+  and of every gradient (1-norm): each must be the whole model's, as under DDP;
+- a ``BaseFinetuning`` callback freezes the head before training and adds it as a new param group
+  at epoch 1 (the head is released, meta, on the first stage by then);
+- the checkpoint saved after that epoch holds both param groups and resumes to DDP's weights.
+
+LBFGS and StochasticWeightAveraging are refused at setup without a launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+
+import lightning_pipe  # noqa: E402
+from lightning_pipe import ConfigurationError, PipeStrategy  # noqa: E402
+
+MAX_NORM = 0.05
+
+
+class Rows(Logger):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    @property
+    def name(self):
+        return "rows"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.body(self.embed(x))).squeeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), MAX_NORM)
+        body_inf = torch.nn.utils.get_total_norm([p.grad for p in self.body.parameters() if p.grad is not None],
+                                                 norm_type=math.inf)
+        all_one = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None], 1.0)
+        self.log_dict({"user_norm": norm, "body_inf_norm": body_inf, "clipped_one_norm": all_one})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
+
+
+class UnfreezeHead(BaseFinetuning):
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.head)
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.head, optimizer, lr=0.1)
+
+
+def _loader():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(36, 4, generator=g)
+    y = x.sum(1) * 0.5 + 0.1 * torch.randn(36, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=12)
+
+
+def _fit(args, folder, resume=None):
+    pl.seed_everything(0)
+    model, rows = Model(), Rows()
+    strategy = PipeStrategy(num_microbatches=3, schedule="gpipe", log_pipeline_metrics=False) \
+        if args.strategy == "pipe" else "ddp"
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2 if args.strategy == "pipe" else 1, strategy=strategy, max_epochs=3, logger=rows,
+        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
+        callbacks=[UnfreezeHead(), ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1)],
+    )
+    trainer.fit(model, _loader(), ckpt_path=resume)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return trainer, rows.rows, weights
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    trainer, rows, weights = _fit(args, os.path.join(args.root, "fit"))
+    checkpoint = os.path.join(args.root, "fit", "epoch=1.ckpt")
+    resumed_trainer, resumed_rows, resumed = _fit(args, os.path.join(args.root, "resumed"), resume=checkpoint)
+    if trainer.is_global_zero:
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        torch.save(dict(rows=rows, weights=weights, resumed_rows=resumed_rows, resumed=resumed,
+                        checkpoint=dict(state_dict=saved["state_dict"], optimizer_states=saved["optimizer_states"])),
+                   args.out)
+
+
+# -- the tests -------------------------------------------------------------------------------------
+def _launch(tmp_path_factory, strategy):
+    from tests.test_scaling import Launch, _env
+
+    root = tmp_path_factory.mktemp(f"hooks_{strategy}")
+    out = root / "result.pt"
+    cmd = [sys.executable, os.path.abspath(__file__), "--strategy", strategy, "--root", str(root), "--out", str(out)]
+    codes, seconds, survivors, (output,) = Launch(root, [cmd], _env()).finish(300)
+    assert codes == [0] and not survivors, f"{strategy}: {codes}, survivors {survivors}:\n{output[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _launch(tmp_path_factory, "pipe"), _launch(tmp_path_factory, "ddp")
+
+
+def _assert_rows(got, want):
+    assert [sorted(r) for r in got] == [sorted(r) for r in want]
+    for g, w in zip(got, want):
+        for key in w:
+            torch.testing.assert_close(g[key], w[key], rtol=1e-5, atol=1e-7, msg=lambda m, k=key, s=w["step"]: f"{k} at step {s}: {m}")
+
+
+def _assert_weights(got, want):
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_a_users_clip_grad_norm_and_get_total_norm_take_the_whole_models_norm(runs):
+    """Regression: clip_grad_norm_(self.parameters(), ...) in a hook clipped each stage by its own norm
+    (DDP 0.9777, pipe 0.8160) and returned it."""
+    pipe, ddp = runs
+    assert any(r.get("user_norm", 0) > MAX_NORM for r in ddp["rows"])  # it clips
+    _assert_rows(pipe["rows"], ddp["rows"])
+    _assert_weights(pipe["weights"], ddp["weights"])
+
+
+def test_base_finetuning_adds_a_released_module_as_a_param_group_as_under_ddp(runs):
+    """Regression: unfreeze_and_add_param_group crashed in filter_on_optimizer (torch.equal on meta tensors)."""
+    pipe, ddp = runs
+    groups = [[len(g["params"]), g["lr"]] for g in ddp["checkpoint"]["optimizer_states"][0]["param_groups"]]
+    assert groups == [[6, 0.2], [2, 0.1]]
+    assert any("user_norm" in r and r["epoch"] == 2 for r in ddp["rows"])
+    _assert_weights(pipe["weights"], ddp["weights"])
+
+
+def test_a_checkpoint_saved_after_a_param_group_was_added_saves_and_resumes_as_under_ddp(runs):
+    """Regression: the optimizer layouts recorded at setup left the added group out of the checkpoint."""
+    pipe, ddp = runs
+    got, want = pipe["checkpoint"], ddp["checkpoint"]
+    _assert_weights(got["state_dict"], want["state_dict"])
+    g_opt, w_opt = got["optimizer_states"][0], want["optimizer_states"][0]
+    assert [{k: v for k, v in g.items()} for g in g_opt["param_groups"]] == w_opt["param_groups"]
+    assert g_opt["state"].keys() == w_opt["state"].keys()
+    for index in w_opt["state"]:
+        torch.testing.assert_close(g_opt["state"][index]["momentum_buffer"], w_opt["state"][index]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-7)
+    _assert_rows(pipe["resumed_rows"], ddp["resumed_rows"])
+    _assert_weights(pipe["resumed"], ddp["resumed"])
+
+
+# -- refused at setup, on every rank, before any collective ----------------------------------------
+def _strategy(rank):
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    environment = LightningEnvironment()
+    environment.set_world_size(2)
+    environment.set_global_rank(rank)
+    return PipeStrategy(parallel_devices=[torch.device("cpu")] * 2, cluster_environment=environment)
+
+
+def _setup(strategy, module, callbacks=()):
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    strategy.accelerator = mock.Mock()
+    strategy.connect(module)
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), callbacks=list(callbacks))
+    strategy.setup_optimizers = lambda trainer: setattr(strategy, "optimizers", [module.configure_optimizers()])
+    strategy.setup(trainer)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_lbfgs_is_refused_right_after_the_optimizer_is_built(rank):
+    """setup calls this check on every rank right after setup_optimizers, before the collectives that follow."""
+    model = Model()
+    strategy = _strategy(rank)
+    strategy.optimizers = [torch.optim.LBFGS(model.parameters(), lr=0.5)]
+    with pytest.raises(ConfigurationError, match=r"PipeStrategy does not support LBFGS: its step calls the closure "
+                                                 r"several times .* Use a first-order optimizer"):
+        strategy._refuse_unsupported_optimizers()
+    strategy.optimizers = [torch.optim.SGD(model.parameters(), lr=0.5)]
+    strategy._refuse_unsupported_optimizers()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_stochastic_weight_averaging_is_refused_at_setup_before_any_collective(rank):
+    strategy = _strategy(rank)
+    with mock.patch("torch.distributed.all_gather_object", side_effect=AssertionError("a collective")), \
+            mock.patch("torch.distributed.broadcast", side_effect=AssertionError("a collective")):
+        with pytest.raises(ConfigurationError, match=r"does not support the StochasticWeightAveraging callback"):
+            _setup(strategy, Model(), [StochasticWeightAveraging(swa_lrs=0.05)])
+
+
+def test_clip_grad_norm_is_torchs_own_outside_the_gradient_hooks():
+    from torch.nn.utils import clip_grad
+
+    from lightning_pipe.lightning import hooks
+
+    before = (clip_grad._get_total_norm, torch.nn.utils.get_total_norm)
+    norm = hooks.StageNorms(SimpleNamespace())
+    with pytest.raises(RuntimeError):
+        with hooks.total_norms_over_stages(norm):
+            assert clip_grad._get_total_norm is norm and torch.nn.utils.get_total_norm is norm
+            raise RuntimeError
+    assert (clip_grad._get_total_norm, torch.nn.utils.get_total_norm) == before
+
+
+if __name__ == "__main__":
+    main()
