@@ -133,6 +133,7 @@ def gather_whole_model(strategy: Any, checkpoints: Any) -> None:
     box = [checkpoints.module_state()]
     dist.broadcast_object_list(box, src=0, device=object_device(dist.group.WORLD, device))
     split.install(whole=True)
+    split.drop_hooks()  # the whole model runs anywhere now: released modules and stage-owned gradients alike
     strategy.precision_plugin.convert_module(module)  # other stages' layers were never converted
     release.unrelease(module, device)
     module.to(device)

@@ -126,9 +126,7 @@ class SplitModel:
         here that another stage was learned to train refuse gradients here (:meth:`_watch_gradients`)."""
         if self.pp_size == 1:
             return 0
-        for handle in self.hooks:
-            handle.remove()
-        self.hooks = []
+        self.drop_hooks()
         outside = release.named_outside_body(self.module, self.path)
         used = [m for path, m in outside if id(m) in called or m is self.module or self._owns_module(path, m)
                 or any(p.grad is not None for p in m._parameters.values() if p is not None)]
@@ -142,6 +140,12 @@ class SplitModel:
                 self.hooks.append(release.refuse_calls(m, path, f"{self._where()} ({why})"))
         self._watch_gradients(outside)
         return released
+
+    def drop_hooks(self) -> None:
+        """Remove the hooks :meth:`release_unused` set (once the whole model is back in the module)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
     def _where(self) -> str:
         stages = self.local_stages
