@@ -136,8 +136,7 @@ class SplitModel:
         released = release.release([m for _, m in unused], keep, optimizers)
         for path, m in unused:
             if release.is_released(m):
-                why = "neither called nor trained by this stage in the first training step"
-                self.hooks.append(release.refuse_calls(m, path, f"{self._where()} ({why})"))
+                self.hooks.append(release.refuse_calls(m, path, self._where()))  # the message says why
         self._watch_gradients(outside)
         return released
 
