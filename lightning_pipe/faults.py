@@ -13,6 +13,7 @@ thread waits on an event; NCCL works are polled with ``is_completed()``. A rank 
 
 from __future__ import annotations
 
+import atexit
 import queue
 import signal
 import threading
@@ -211,3 +212,34 @@ def end_launched_ranks(launcher: Any, grace_seconds: float = 5.0) -> None:
         time.sleep(0.1)
     if any(p.poll() is None for p in procs):
         launcher.kill(signal.SIGKILL)
+
+
+_exit = {"registered": False, "failed": False}
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Destroy the process groups before the interpreter finalizes, unless this rank failed.
+
+    A gloo process group left for finalization can abort the process (SIGABRT, "terminate called
+    without an active exception") after a run that succeeded: its C++ worker threads may still hold
+    finished works whose tensors need the GIL of an interpreter being torn down (pytorch#190489).
+    Lightning does not destroy the groups it creates, so the strategy registers this once per
+    process. A rank that failed skips it: destroying a gloo group waits for its pending works, which
+    may wait on a peer that is gone. NCCL groups are left to torch.
+    """
+    if not _exit["registered"]:
+        _exit["registered"] = True
+        atexit.register(_destroy_process_groups)
+
+
+def note_failure() -> None:
+    """This rank failed: leave its process groups alone at exit (see :func:`destroy_process_groups_at_exit`)."""
+    _exit["failed"] = True
+
+
+def _destroy_process_groups() -> None:
+    if _exit["failed"] or not (dist.is_available() and dist.is_initialized()):
+        return
+    if "nccl" in str(dist.get_backend()):
+        return
+    dist.destroy_process_group()

@@ -161,7 +161,21 @@ def main(argv=None):
     fit_and_save(parse(argv))
 
 
+def _record_exit(root: str) -> None:
+    """At exit, after the strategy's own exit handler (atexit runs in reverse order of registration):
+    write whether the process groups are still there (a gloo group left to finalization can abort)."""
+    import torch.distributed as dist
+
+    rank = os.environ.get("LOCAL_RANK", "0")
+    with open(os.path.join(root, f"exit_rank{rank}.txt"), "w") as f:
+        f.write(str(dist.is_initialized()))
+
+
 def fit_and_save(args) -> None:
+    import atexit
+
+    os.makedirs(args.root, exist_ok=True)
+    atexit.register(_record_exit, args.root)
     pl.seed_everything(0)
     model = Regressor(depth=args.depth) if args.model == "regressor" else SkipBatchNormRegressor()
     checkpoint = ModelCheckpoint(

@@ -192,6 +192,12 @@ def test_two_stages_times_two_replicas_equals_ddp(pipe2x2, ddp2):
     assert_same_run(pipe2x2, ddp2)
 
 
+def test_process_groups_are_destroyed_before_the_interpreter_exits(pipe2x2):
+    """A gloo group left to finalization aborted a finished run now and then (SIGABRT after fit:
+    "terminate called without an active exception"); the strategy destroys the groups at exit."""
+    assert (pipe2x2["root"] / "exit_rank0.txt").read_text() == "False"
+
+
 def test_pipe_size_one_is_data_parallel_ddp(two_processes, ddp2):
     """pipe_size=1: every process holds the whole body; the run is plain data parallelism."""
     result = two_processes["pipe1x2"]
