@@ -180,13 +180,6 @@ def test_more_stages_than_layers_fails_on_every_rank(tmp_path_factory):
     assert "needs at least 3 layers" in output
 
 
-def test_pipe_size_must_divide_devices(tmp_path_factory):
-    output = run_app(
-        tmp_path_factory, "bad_size", "--strategy", "pipe", "--devices", 2, "--pipe-size", 3, expect_failure=True
-    )
-    assert "must divide the number of processes" in output, output[-3000:]
-
-
 def test_skips_and_deferred_batch_norm_under_the_strategy(one_process, three_processes):
     """A U-Net-like body with BatchNorm, 3 stages, except_last checkpointing: equal to the same
     microbatches run in sequence in one process (pipe_size=1), running statistics included."""

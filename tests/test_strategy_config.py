@@ -146,6 +146,20 @@ def test_interleaving_needs_a_pipeline_of_several_processes_before_any_collectiv
     init.assert_not_called()
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_pipe_size_that_does_not_divide_the_processes_is_refused_before_any_collective(rank):
+    """Every rank refuses it before the process group exists; reporting the failure names the rank (it
+    raised ZeroDivisionError over the ConfigurationError: no stage exists with 0 replicas)."""
+    strategy = _strategy(2, 3, rank)
+    with mock.patch("torch.distributed.init_process_group") as init:
+        with pytest.raises(ConfigurationError, match=r"PipeStrategy\(pipe_size=3\) must divide the number of processes "
+                                                     r"\(devices x num_nodes = 2\); use a pipe_size among \[1, 2\]") as error:
+            strategy.setup_environment()
+    init.assert_not_called()
+    with mock.patch("lightning_pipe.lightning.strategy.note_failure"):  # this test process keeps its exit handler
+        strategy.on_exception(error.value)
+
+
 def test_interleaved_and_v_placements_and_the_first_and_last_stage():
     """Megatron order: process r of the pipeline holds stages r, r + p, ...; the last stage is on process p - 1."""
     strategies = [PipeStrategy(pipe_size=2, schedule="interleaved_1f1b", virtual_stages=3,

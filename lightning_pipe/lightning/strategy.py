@@ -628,8 +628,10 @@ class PipeStrategy(DDPStrategy):
         super().on_exception(exception)
         self._failed = True  # no gathering in teardown: peers may be gone
         note_failure()
-        report_job_error(f"global rank {self.global_rank} (stage {self.stage_index}, replica {self.dp_rank}) "
-                         f"failed: {type(exception).__name__}: {exception}")
+        where = f"global rank {self.global_rank}"
+        if self.world_size % self.pp_size == 0:  # else the topology is what failed, and has no stages
+            where += f" (stage {self.stage_index}, replica {self.dp_rank})"
+        report_job_error(f"{where} failed: {type(exception).__name__}: {exception}")
         end_launched_ranks(self.launcher)
 
     def on_train_end(self) -> None:
