@@ -1,15 +1,16 @@
-"""Gradient bookkeeping around the pipeline: set aside, scale, average replicas, clip.
+"""Gradient bookkeeping around the pipeline: set aside, scale, average replicas, norms over stages.
 
 Written by hand because Lightning's hooks assume one process holds the whole model: its
-precision plugin clips by the local norm, and DDP would all-reduce over the world. Here the norm
-is reduced over the pipeline's stages (tied parameters, summed in :mod:`lightning_pipe.ties`, count once),
-and each stage's gradients are averaged over its replicas only.
+precision plugin clips by the local norm, and DDP would all-reduce over the world. Here a total
+norm is reduced over the pipeline's stages (tied parameters, summed in :mod:`lightning_pipe.ties`,
+count once) in the order one process takes it, and each stage's gradients are averaged over its
+replicas only.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Dict, Iterable, List, Mapping, Optional, Set
+from typing import Dict, Iterable, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,28 +53,6 @@ def average(parameters: Iterable[nn.Parameter], group, size: int) -> None:
     flat /= size
     for g, synced in zip(grads, _unflatten(flat, grads)):
         g.copy_(synced)
-
-
-def clip_by_global_norm(
-    optimizer: torch.optim.Optimizer, max_norm: float, owned: Set[int], group, device: torch.device
-) -> None:
-    """``clip_grad_norm_`` over the whole pipeline.
-
-    Each rank adds the squared norms of the gradients it owns (``owned``: parameter ids; a tied
-    parameter counts once), the sum is reduced over the stages, and every gradient on every
-    stage is scaled by the same factor.
-    """
-    params = [p for group_ in optimizer.param_groups for p in group_["params"] if p.grad is not None]
-    # in the gradients' precision (at least float32), as clip_grad_norm_ computes it on one device
-    dtype = functools.reduce(torch.promote_types, (p.grad.dtype for p in params), torch.float32)
-    square = torch.zeros((), dtype=dtype, device=device)
-    for p in params:
-        if id(p) in owned:
-            square += torch.linalg.vector_norm(p.grad, 2.0).to(device, dtype) ** 2
-    dist.all_reduce(square, group=group)
-    coefficient = torch.clamp(max_norm / (square.sqrt() + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coefficient.to(p.grad.device, p.grad.dtype))
 
 
 def broadcast_module(module: nn.Module, device: torch.device, bucket_bytes: int = 16 << 20) -> None:

@@ -503,10 +503,10 @@ class PipeStrategy(DDPStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
-        """Clip by the norm over all stages (the precision plugin's own clipping is local)."""
-        split = self.split
-        owned = {id(p) for n, p in self.lightning_module.named_parameters() if split.counts_in_norm(n)}
-        gradients.clip_by_global_norm(optimizer, clip_val, owned, self.pp_group, self.root_device)
+        """Lightning's own clipping, ``clip_grad_norm_`` over the optimizer's parameters, with the total norm
+        taken over all stages (a tied parameter once) in the order one process takes it."""
+        with hooks.total_norms_over_stages(hooks.StageNorms(self)):
+            torch.nn.utils.clip_grad_norm_(list(self.precision_plugin.main_params(optimizer)), clip_val)
 
     # -- evaluation ----------------------------------------------------------------------------
     def _eval_step(self, hook: str, context: Any, args: tuple) -> Any:
