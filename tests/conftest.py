@@ -23,6 +23,8 @@ def _spec(name, case, strategy, devices, **options):
 
 
 NOISE_EPOCHS = 20
+# test modules whose own app (``main(argv)``: DDP on one device, PipeStrategy on two) runs in these launches
+APPS = ("test_outside_body_usage", "test_user_hooks_and_callbacks", "test_batches_and_views")
 LM_LAUNCHES = {
     "reference": [  # Lightning's DDP on one device
         _spec("llama", "llama", "ddp", 1), _spec("gpt2", "gpt2", "ddp", 1), _spec("albert", "albert", "ddp", 1, clip=0.5),
@@ -30,6 +32,7 @@ LM_LAUNCHES = {
         _spec("denoise", "denoise", "ddp", 1, epochs=NOISE_EPOCHS), _spec("frozen", "frozen", "ddp", 1),
         _spec("paramfree", "paramfree", "ddp", 1), _spec("fp16", "fp16", "ddp", 1, fp16_scale=256.0),
         _spec("llama_2ep", "llama", "ddp", 1, epochs=2),
+        *[dict(name=f"{app}_ddp", app=app, strategy="ddp", devices=1) for app in APPS],
     ],
     "world2": [
         _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe", trace=[2, 2]), _spec("gpt2_p2", "gpt2", "pipe", 2, schedule="zb_h1"),
@@ -53,6 +56,7 @@ LM_LAUNCHES = {
         _spec("tied_seq_zbv", "tied_seq", "pipe", 2, schedule="zbv", clip=0.5),
         _spec("unbalanced_flops_v2", "unbalanced", "pipe", 2, balance="flops", steps=1, schedule="interleaved_1f1b",
               virtual_stages=2),
+        *[dict(name=f"{app}_pipe", app=app, strategy="pipe", devices=2) for app in APPS],
     ],
     "world3": [
         _spec("llama_p3", "llama", "pipe", 3, trace=[3, 1]), _spec("albert_p3", "albert", "pipe", 3, schedule="zb_h1", clip=0.5),

@@ -24,6 +24,9 @@ Cases:
   has dropout); they record their draws.
 - ``bad_args``: a loop that gives each block another mask (refused); ``ema``: an EMA teacher
   updated inside ``training_step`` (refused).
+
+A run with ``app`` instead of ``case`` runs the ``main`` of that test module (its own model and
+Trainer), so the test files with an app of their own share these launches' process start-ups.
 """
 
 from __future__ import annotations
@@ -521,7 +524,21 @@ class Outputs(Callback):
         self.val_seen.append(self._copy(outputs))
 
 
+def run_app(spec: dict, root: str) -> dict:
+    """Another test file's app (``main(argv)`` taking ``--strategy --root --out``), in this launch's processes:
+    what it saved on global rank 0, ``{}`` on the other ranks."""
+    import importlib
+
+    folder = os.path.join(root, spec["name"])
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, "result.pt")
+    importlib.import_module(spec["app"]).main(["--strategy", spec["strategy"], "--root", folder, "--out", out])
+    return torch.load(out, weights_only=False) if os.path.exists(out) else {}
+
+
 def run(spec: dict, root: str) -> dict:
+    if "app" in spec:
+        return run_app(spec, root)
     name = spec["name"]
     pl.seed_everything(0)
     model = CASES[spec["case"]][0]()

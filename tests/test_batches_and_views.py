@@ -1,8 +1,8 @@
 """Per-sample lists in batches, containers the split cannot open, the Sequential stand-in's view of the
 whole body, and buffers updated once per microbatch.
 
-Unit tests first; then one model trained under DDP (1 device) and PipeStrategy (2 stages), two
-launches: its batch carries per-sample strings that weigh the loss, with 1-sample microbatches, and
+Unit tests first; then one model trained under DDP (1 device) and PipeStrategy (2 stages), in the
+shared launches of ``tests/lm_app.py`` (see ``APPS`` in conftest.py): its batch carries per-sample strings that weigh the loss, with 1-sample microbatches, and
 its ``configure_optimizers`` gives the layers of its ``nn.Sequential`` body decaying learning rates
 over ``len``/``enumerate(self.body)`` and ``self.body[-1]`` one of its own.
 """
@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
-import sys
-import textwrap
 import warnings
 from collections import OrderedDict
 
@@ -153,19 +150,26 @@ def test_no_warning_without_a_change_or_with_one_microbatch():
     assert watch.after(snapshot, num_microbatches=1) == [] and not watch.done
 
 
-# -- against DDP -------------------------------------------------------------------------------
-APP = textwrap.dedent('''
-    import sys
-    import torch
-    from torch import nn
+# -- against DDP (in the shared launches) ---------------------------------------------------------
+def main(argv=None) -> None:
+    """The app trained under DDP (1 device) and PipeStrategy (2 stages), in the launches of ``tests/lm_app.py``."""
+    import argparse
+
     import lightning.pytorch as pl
-    sys.path.insert(0, sys.argv[3])
+
     from lightning_pipe import PipeStrategy
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["ddp", "pipe"], required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
 
     class Count(nn.Module):
         def __init__(self):
             super().__init__()
             self.register_buffer("n", torch.zeros(()))
+
         def forward(self, x):
             if self.training:
                 self.n += 1
@@ -176,8 +180,10 @@ APP = textwrap.dedent('''
             g = torch.Generator().manual_seed(0)
             self.x = torch.randn(12, 4, generator=g)
             self.y = (self.x.sum(1) > 0).float()
+
         def __len__(self):
             return 12
+
         def __getitem__(self, i):
             return self.x[i], self.y[i], "ab"[i % 2] + str(i)
 
@@ -187,11 +193,13 @@ APP = textwrap.dedent('''
             self.embed = nn.Linear(4, 8)
             self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Count(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
             self.head = nn.Linear(8, 1)
+
         def training_step(self, batch, batch_idx):
             x, y, names = batch
             w = torch.tensor([1.0 if s.startswith("a") else 3.0 for s in names])
             logit = self.head(self.body(self.embed(x))).squeeze(-1)
             return (nn.functional.binary_cross_entropy_with_logits(logit, y, reduction="none") * w).mean()
+
         def configure_optimizers(self):
             n = len(self.body)
             groups = [{"params": list(b.parameters()), "lr": 0.2 * 0.5 ** (n - 1 - i)} for i, b in enumerate(self.body)
@@ -200,43 +208,29 @@ APP = textwrap.dedent('''
             groups.append({"params": list(self.embed.parameters()) + list(self.head.parameters())})
             return torch.optim.SGD(groups, lr=0.1)
 
-    if __name__ == "__main__":
-        pipe = sys.argv[1] == "pipe"
-        torch.manual_seed(0)
-        model = M()
-        strategy = PipeStrategy(num_microbatches=4, schedule="gpipe", log_pipeline_metrics=False) if pipe else "ddp"
-        trainer = pl.Trainer(accelerator="cpu", devices=2 if pipe else 1, strategy=strategy, max_epochs=2, logger=False,
-                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-        trainer.fit(model, torch.utils.data.DataLoader(Data(), batch_size=4))
-        if trainer.is_global_zero:
-            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, sys.argv[2])
-''')
+    pipe = args.strategy == "pipe"
+    torch.manual_seed(0)
+    model = M()
+    strategy = PipeStrategy(num_microbatches=4, schedule="gpipe", log_pipeline_metrics=False) if pipe else "ddp"
+    trainer = pl.Trainer(accelerator="cpu", devices=2 if pipe else 1, strategy=strategy, max_epochs=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=args.root)
+    trainer.fit(model, torch.utils.data.DataLoader(Data(), batch_size=4))
+    if trainer.is_global_zero:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
 
 
-def test_per_sample_strings_and_layer_wise_learning_rates_over_a_sequential_body_train_as_ddp(tmp_path):
+def test_per_sample_strings_and_layer_wise_learning_rates_over_a_sequential_body_train_as_ddp(lm_runs):
     """Regressions: with 1-sample microbatches each got the whole list of names, so the weights tensor
     broadcast (a different loss, silently); and ``len``/``enumerate``/``[-1]`` of the body gave the
     stage's layers only, so the learning rates of the layer-wise decay differed from DDP's."""
-    from tests.test_scaling import Launch, _env
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = tmp_path / "app.py"
-    script.write_text(APP)
-    outputs = {}
-    for mode in ("ref", "pipe"):
-        folder = tmp_path / mode
-        folder.mkdir()
-        env = _env()
-        env["PYTHONWARNINGS"] = "ignore,default:::lightning_pipe.lightning.effects"
-        codes, _, survivors, (output,) = Launch(folder, [[sys.executable, str(script), mode, str(folder / "sd.pt"),
-                                                          root]], env).finish(240)
-        assert codes == [0] and not survivors, f"{mode} -> {codes}, survivors {survivors}:\n{output[-6000:]}"
-        outputs[mode] = output
-    ref, pipe = (torch.load(tmp_path / m / "sd.pt") for m in ("ref", "pipe"))
+    ref = lm_runs("reference")[0]["test_batches_and_views_ddp"]
+    got, _, output = lm_runs("world2")
+    pipe = got["test_batches_and_views_pipe"]
     assert ref.keys() == pipe.keys()
     for key in ref:
         if key == "body.2.n":  # updated once per microbatch: 4 times per step, and said so
             torch.testing.assert_close(pipe[key], 4 * ref[key])
         else:
             torch.testing.assert_close(pipe[key], ref[key], msg=key)
-    assert "`body.2.n`" in outputs["pipe"] and "4 times per step" in outputs["pipe"]
+    assert "`body.2.n`" in output and "4 times per step" in output

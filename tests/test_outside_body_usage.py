@@ -6,7 +6,8 @@ frozen in ``__init__``), the stage that called its module. A module released aft
 refuses to run, a gradient on a stage the first step did not learn is refused, and so is a training
 loss that does not require grad: each with a named error.
 
-Run as a script, this file is the app the launch test trains (``--strategy ddp|pipe``).
+Its ``main`` is the app the test against DDP trains (``--strategy ddp|pipe``), run in the shared
+launches of ``tests/lm_app.py`` (see ``APPS`` in conftest.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from lightning_pipe import ConfigurationError  # noqa: E402
 from lightning_pipe.lightning.layer_list import CallChannel  # noqa: E402
 from lightning_pipe.lightning.losses import loss_of  # noqa: E402
 from lightning_pipe.lightning.split import SplitModel  # noqa: E402
-
-LAUNCH_TIMEOUT = 240
 
 
 class Net(nn.Module):
@@ -109,13 +108,19 @@ def test_a_training_loss_that_does_not_require_grad_is_refused():
     assert loss_of(torch.zeros(()), "validation_step", required=False) is not None
 
 
-# -- against DDP (two launches) ------------------------------------------------------------------
-def _app(args) -> None:
+# -- against DDP (in the shared launches) -----------------------------------------------------------
+def main(argv=None) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
 
     import lightning_pipe
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["ddp", "pipe"], required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
 
     class Model(pl.LightningModule):
         """Embedding and head frozen in __init__, unfrozen at epoch 1; an aux head used from step 2 on."""
@@ -169,22 +174,11 @@ def _app(args) -> None:
                     "checkpoint": saved}, args.out)
 
 
-def _launch(tmp_path_factory, strategy):
-    from tests.test_scaling import Launch, _env
-
-    root = tmp_path_factory.mktemp(f"outside_{strategy}")
-    out = root / "result.pt"
-    cmd = [sys.executable, os.path.abspath(__file__), "--strategy", strategy, "--root", str(root), "--out", str(out)]
-    codes, _, survivors, (output,) = Launch(root, [cmd], _env()).finish(LAUNCH_TIMEOUT)
-    assert codes == [0] and not survivors, f"{strategy} -> {codes}, survivors {survivors}:\n{output[-6000:]}"
-    return torch.load(out, weights_only=False)
-
-
-def test_a_head_frozen_at_first_then_unfrozen_with_clipping_and_checkpoints_trains_as_under_ddp(tmp_path_factory):
+def test_a_head_frozen_at_first_then_unfrozen_with_clipping_and_checkpoints_trains_as_under_ddp(lm_runs):
     """Regression: the frozen head was owned by stage 0, which had released it: the checkpoint save failed
     ('Cannot copy out of meta tensor') and, unfrozen, it was left out of the global clip norm."""
-    want = _launch(tmp_path_factory, "ddp")
-    got = _launch(tmp_path_factory, "pipe")
+    want = lm_runs("reference")[0]["test_outside_body_usage_ddp"]
+    got = lm_runs("world2")[0]["test_outside_body_usage_pipe"]
     assert len(got["losses"]) == len(want["losses"]) == 6
     torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(want["losses"]))
     for what in ("state_dict", "checkpoint"):
@@ -192,11 +186,3 @@ def test_a_head_frozen_at_first_then_unfrozen_with_clipping_and_checkpoints_trai
         for key, value in want[what].items():
             torch.testing.assert_close(got[what][key], value, msg=lambda m: f"{what} {key}: {m}")
     assert not torch.equal(want["state_dict"]["head.weight"], Net().head.weight.detach())  # unfrozen, trained
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=["ddp", "pipe"], required=True)
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--out", required=True)
-    _app(parser.parse_args())

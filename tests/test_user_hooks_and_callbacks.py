@@ -1,7 +1,7 @@
 """The user's own gradient code and Lightning's callbacks under PipeStrategy, against Lightning DDP.
 
-One launch per strategy (``python tests/test_user_hooks_and_callbacks.py --strategy pipe|ddp``),
-each running, in the same processes, a fit and a resume from its epoch-1 checkpoint:
+Its ``main`` (``--strategy pipe|ddp``) runs in the shared launches of ``tests/lm_app.py`` (see
+``APPS`` in conftest.py), a fit and a resume from its epoch-1 checkpoint in the same processes:
 
 - ``on_before_optimizer_step`` calls ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` itself
   and logs what it returns, plus ``get_total_norm`` of a subset (the body's gradients, inf-norm)
@@ -33,7 +33,6 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
-import lightning_pipe  # noqa: E402
 from lightning_pipe import ConfigurationError, PipeStrategy  # noqa: E402
 
 MAX_NORM = 0.05
@@ -134,20 +133,9 @@ def main(argv=None):
 
 
 # -- the tests -------------------------------------------------------------------------------------
-def _launch(tmp_path_factory, strategy):
-    from tests.test_scaling import Launch, _env
-
-    root = tmp_path_factory.mktemp(f"hooks_{strategy}")
-    out = root / "result.pt"
-    cmd = [sys.executable, os.path.abspath(__file__), "--strategy", strategy, "--root", str(root), "--out", str(out)]
-    codes, seconds, survivors, (output,) = Launch(root, [cmd], _env()).finish(300)
-    assert codes == [0] and not survivors, f"{strategy}: {codes}, survivors {survivors}:\n{output[-6000:]}"
-    return torch.load(out, weights_only=False)
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return _launch(tmp_path_factory, "pipe"), _launch(tmp_path_factory, "ddp")
+def runs(lm_runs):
+    return lm_runs("world2")[0]["test_user_hooks_and_callbacks_pipe"], lm_runs("reference")[0]["test_user_hooks_and_callbacks_ddp"]
 
 
 def _assert_rows(got, want):
@@ -250,7 +238,3 @@ def test_clip_grad_norm_is_torchs_own_outside_the_gradient_hooks():
             assert clip_grad._get_total_norm is norm and torch.nn.utils.get_total_norm is norm
             raise RuntimeError
     assert (clip_grad._get_total_norm, torch.nn.utils.get_total_norm) == before
-
-
-if __name__ == "__main__":
-    main()
