@@ -83,19 +83,30 @@ def stop_reasons(output):
 
 
 def launch_lm_app(tmp_path_factory, name, runs, expect_failure=False, timeout=420):
-    """Run tests/lm_app.py with ``runs``; return (what rank 0 saved, the root folder, the output)."""
-    from tests.test_scaling import Launch, _env
+    """Run tests/lm_app.py with ``runs``; return (what rank 0 saved, the root folder, the output).
+
+    Every rank is started at once, as torchrun would (Lightning's launcher starts the other ranks
+    only after the first has imported everything: about 6 s more per launch on 2 cores). The tests
+    of Lightning's own launcher are in test_scaling.py and test_strategy.py.
+    """
+    from tests.test_scaling import Launch, _env, _free_port
 
     root = tmp_path_factory.mktemp(f"lm_{name}")
     out = root / "result.pt"
     cmd = [sys.executable, os.path.join(HERE, "lm_app.py"), "--root", str(root), "--out", str(out), "--runs",
            json.dumps(runs)]
-    env = _env()
-    env["PYTHONWARNINGS"] = "ignore,default:::lightning_pipe.lightning.effects"  # ours are checked, Lightning's not
-    codes, seconds, survivors, (output,) = Launch(root, [cmd], env).finish(timeout)
+    (devices,) = {spec["devices"] for spec in runs}  # one world size per launch
+    port = str(_free_port())
+    envs = []
+    for rank in range(devices):
+        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0", LOCAL_RANK=str(rank), WORLD_SIZE=str(devices))
+        env["PYTHONWARNINGS"] = "ignore,default:::lightning_pipe.lightning.effects"  # ours are checked, Lightning's not
+        envs.append(env)
+    codes, seconds, survivors, outputs = Launch(root, [cmd] * devices, envs).finish(timeout)
+    output = "".join(outputs)
     if expect_failure:
         return codes[0], seconds, survivors, output
-    assert codes == [0] and not survivors, f"{name} -> {codes}, survivors {survivors}:\n{output[-6000:]}"
+    assert codes == [0] * devices and not survivors, f"{name} -> {codes}, survivors {survivors}:\n{output[-6000:]}"
     return torch.load(out, weights_only=False), root, output
 
 

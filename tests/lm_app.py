@@ -524,6 +524,10 @@ class Outputs(Callback):
         self.val_seen.append(self._copy(outputs))
 
 
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))  # one node: the local rank
+
+
 def run_app(spec: dict, root: str) -> dict:
     """Another test file's app (``main(argv)`` taking ``--strategy --root --out``), in this launch's processes:
     what it saved on global rank 0, ``{}`` on the other ranks."""
@@ -533,7 +537,7 @@ def run_app(spec: dict, root: str) -> dict:
     os.makedirs(folder, exist_ok=True)
     out = os.path.join(folder, "result.pt")
     importlib.import_module(spec["app"]).main(["--strategy", spec["strategy"], "--root", folder, "--out", out])
-    return torch.load(out, weights_only=False) if os.path.exists(out) else {}
+    return torch.load(out, weights_only=False) if _global_rank() == 0 else {}
 
 
 def run(spec: dict, root: str) -> dict:
@@ -601,7 +605,7 @@ def main() -> None:
     results = {}
     for spec in json.loads(args.runs):
         results[spec["name"]] = run(spec, args.root)
-    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0 and results and all(results.values()):
+    if _global_rank() == 0 and results and all(results.values()):
         torch.save(results, args.out)
 
 

@@ -74,15 +74,17 @@ def _wait_for_group(pgid: int, deadline: float) -> list:
 
 
 class Launch:
-    """Scripts started together, each in its own session, output to a file; killed as groups on exit."""
+    """Scripts started together, each in its own session, output to a file; killed as groups on exit.
+    ``env`` is every script's environment, or a list of one per script."""
 
     def __init__(self, root, commands, env):
         self.root = root
         self.start = time.monotonic()
         self.logs = [open(root / f"output{i}.txt", "w+") for i in range(len(commands))]
+        envs = env if isinstance(env, list) else [env] * len(commands)
         self.procs = [
-            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-            for cmd, log in zip(commands, self.logs)
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env_, cwd=ROOT, start_new_session=True)
+            for cmd, log, env_ in zip(commands, self.logs, envs)
         ]
 
     def finish(self, timeout: float):
