@@ -212,3 +212,17 @@ def test_a_block_call_wrapped_in_torch_checkpoint_or_unpacked_is_refused(mode):
         attn, ff = layers[0]
     layers.begin_step("local")
     torch.utils.checkpoint.checkpoint(layers[0], x, use_reentrant=False)  # one process: torch's checkpoint as usual
+
+
+@pytest.mark.parametrize("mode", ["stop", "replace"])
+def test_calling_a_part_of_a_block_in_the_loop_is_refused_with_the_fix(mode):
+    """Regression: ``blk.linear(h)`` in the loop ran the submodule outside the pipeline; on a stage not
+    holding the block it failed inside torch on meta tensors."""
+    layers, _ = stand_in(0 if mode == "stop" else 1, 4, stage_index=0 if mode == "stop" else 1)
+    layers.begin_step(mode, (torch.randn(3, 4),))
+    part = layers[3].linear
+    assert part.out_features == 4 and tuple(part.weight.shape) == (4, 4)  # reading the part is fine
+    with pytest.raises(BodyCallError, match=r"the loop called `linear` of block 3 \(Linear\) directly; .* Call the block"):
+        part(torch.randn(3, 4))
+    layers.begin_step("local")
+    layers[3].linear(torch.randn(3, 4))  # one process: the block's own module, as usual

@@ -150,10 +150,34 @@ class BlockProxy:
         )
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._owner.blocks[self._index], name)
+        value = getattr(self._owner.blocks[self._index], name)
+        if isinstance(value, nn.Module) and self._owner.mode != "local":
+            return _PartOfBlock(value, self._index, name)
+        return value
 
     def __repr__(self) -> str:
         return f"BlockProxy({self._index}: {type(self._owner.blocks[self._index]).__name__})"
+
+
+class _PartOfBlock:
+    """A submodule of a block, read through the loop's proxy while the pipeline runs: its attributes
+    are the submodule's; calling it is refused (the block may live on another stage, as meta tensors)."""
+
+    __slots__ = ("_module", "_index", "_name")
+
+    def __init__(self, module: nn.Module, index: int, name: str) -> None:
+        self._module, self._index, self._name = module, index, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise BodyCallError(
+            f"the loop called `{self._name}` of block {self._index} ({type(self._module).__name__}) directly; under "
+            "PipeStrategy each element of the list is one block, called whole with the hidden state "
+            "(`x = block(x, ...)`), and runs on its own stage. Call the block, or wrap the parts in one module per block"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        return _PartOfBlock(value, self._index, f"{self._name}.{name}") if isinstance(value, nn.Module) else value
 
 
 class PipelinedLayerList(StandIn, nn.Module):
