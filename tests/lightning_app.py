@@ -22,6 +22,7 @@ from torchmetrics import MeanAbsoluteError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lightning_pipe  # noqa: E402  (registers the strategy names)
+from lightning_pipe.faults import end_process_groups  # noqa: E402
 
 
 class Regressor(pl.LightningModule):
@@ -157,8 +158,12 @@ def main(argv=None):
         for name, run_args in json.loads(argv[1]).items():
             folder = os.path.join(root, name)
             fit_and_save(parse([*map(str, run_args), "--root", folder, "--out", os.path.join(folder, "result.pt")]))
+        end_process_groups()  # Lightning leaves DDP's groups to the interpreter's finalization, where gloo can abort
         return
-    fit_and_save(parse(argv))
+    args = parse(argv)
+    fit_and_save(args)
+    if args.strategy != "pipe":  # PipeStrategy ends its own at exit (the pp x dp test checks that it does)
+        end_process_groups()
 
 
 def _record_exit(root: str) -> None:

@@ -49,6 +49,7 @@ from lightning.pytorch.utilities import grad_norm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lightning_pipe  # noqa: E402
+from lightning_pipe.faults import end_process_groups  # noqa: E402
 
 VOCAB, LENGTH, PAD, WIDTH, HEADS = 23, 8, 0, 16, 2
 
@@ -607,6 +608,7 @@ def main() -> None:
         results[spec["name"]] = run(spec, args.root)
     if _global_rank() == 0 and results and all(results.values()):
         torch.save(results, args.out)
+    end_process_groups()  # Lightning leaves DDP's groups to the interpreter's finalization, where gloo can abort
 
 
 if __name__ == "__main__":
