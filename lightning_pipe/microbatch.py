@@ -172,22 +172,47 @@ def microbatch_sizes(batch_size: int, chunks: int) -> List[int]:
 
 
 def gather(outputs: Sequence[Any], batch_dim: int = 0) -> Any:
-    """Merge microbatch outputs of the same structure back into one batch.
+    """Merge microbatch outputs of the same structure back into one batch: the inverse of :func:`scatter`.
 
-    Tensors are concatenated along ``batch_dim`` (0-dim tensors are stacked); other leaves are
-    taken from the first microbatch.
+    Tensors are concatenated along ``batch_dim`` (0-dim tensors are stacked); per-sample sequences
+    (as :func:`scatter` tells them, by each microbatch's own size) are concatenated; other leaves
+    are taken from the first microbatch.
+
+    Raises:
+        ConfigurationError: the microbatches' outputs differ in structure (other keys, other lengths).
 
     Example:
         >>> gather([torch.zeros(2), torch.ones(1)]).tolist()
         [0.0, 0.0, 1.0]
+        >>> gather([(torch.zeros(2), ["a", "b"]), (torch.ones(1), ["c"])])[1]
+        ['a', 'b', 'c']
     """
-    flat = [tree_flatten(out) for out in outputs]
+    flat = []
+    for out in outputs:
+        size = _size_of_output(out, batch_dim)
+        flat.append(tree_flatten(out, is_leaf=lambda x, n=size: n is not None and is_sample_list(x, n)))
     spec = flat[0][1]
+    for i, (_, other) in enumerate(flat[1:], start=1):
+        if other != spec:
+            raise ConfigurationError(
+                f"the outputs of microbatches 0 and {i} differ in structure ({spec} against {other}), so they cannot "
+                "be merged into one batch; return the same structure from every microbatch (tensors, or per-sample "
+                "lists of the microbatch's length)"
+            )
     merged = []
     for column in zip(*(leaves for leaves, _ in flat)):
         first = column[0]
         if isinstance(first, torch.Tensor):
             merged.append(torch.stack(column) if first.dim() == 0 else torch.cat(column, dim=batch_dim))
+        elif isinstance(first, (list, tuple)):  # a per-sample sequence (the only list or tuple leaf)
+            merged.append(type(first)(item for part in column for item in part))
         else:
             merged.append(first)
     return tree_unflatten(merged, spec)
+
+
+def _size_of_output(output: Any, batch_dim: int) -> Optional[int]:
+    """The batch size every tensor of a microbatch's output shares along ``batch_dim``, else None."""
+    leaves, _ = tree_flatten(output)
+    sizes = {t.shape[batch_dim] for t in leaves if isinstance(t, torch.Tensor) and -t.dim() <= batch_dim < t.dim()}
+    return sizes.pop() if len(sizes) == 1 else None

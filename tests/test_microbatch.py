@@ -143,3 +143,18 @@ def test_gather_stacks_zero_dim_tensors_and_keeps_first_non_tensor():
     merged = gather([(torch.tensor(1.0), "a"), (torch.tensor(2.0), "b")])
     torch.testing.assert_close(merged[0], torch.tensor([1.0, 2.0]))
     assert merged[1] == "a"
+
+
+def test_gather_concatenates_per_sample_lists_and_refuses_outputs_of_another_structure():
+    """Regression: per-sample strings in the last stage's output kept the first microbatch's only
+    (silently, with microbatches of one size), and outputs of another structure were zipped short."""
+    x = torch.arange(5)
+    names = ["a0", "b1", "a2", "b3", "a4"]
+    parts = scatter((x, names, ("s0", "s1", "s2", "s3", "s4"), "tag"), chunks=2)  # sizes 3 and 2
+    merged = gather(parts)
+    assert merged[0].tolist() == x.tolist() and merged[1] == names and merged[2] == ("s0", "s1", "s2", "s3", "s4")
+    assert merged[3] == "tag"
+    even = gather([(torch.zeros(2), ["a", "b"]), (torch.ones(2), ["c", "d"])])  # one size: still per sample
+    assert even[1] == ["a", "b", "c", "d"]
+    with pytest.raises(ConfigurationError, match="outputs of microbatches 0 and 1 differ in structure"):
+        gather([{"x": torch.zeros(2)}, {"x": torch.zeros(2), "y": torch.zeros(2)}])
