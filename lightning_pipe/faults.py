@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import queue
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -55,6 +56,7 @@ class ErrorChannel:
 
     def report(self, message: str) -> None:
         """Publish this rank's error (only the first one per pipeline is kept as the cause)."""
+        note_failure()
         _publish(self.store, message)
         if self.watch_job:
             _publish(self.job, message)
@@ -214,19 +216,21 @@ def end_launched_ranks(launcher: Any, grace_seconds: float = 5.0) -> None:
         launcher.kill(signal.SIGKILL)
 
 
-_exit = {"registered": False, "failed": False}
+_exit = {"registered": False, "destroy": False, "failed": False}
 _SETTLE_SECONDS = 0.05  # at exit, time given to gloo's worker threads to drop the works they finished
 
 
-def destroy_process_groups_at_exit() -> None:
-    """Register :func:`end_process_groups` to run at exit, once per process (the strategy calls this).
+def end_process_groups_at_exit(destroy: bool) -> None:
+    """Run :func:`end_process_groups` at exit, registered once per process.
 
-    Lightning does not destroy the groups it creates, and a gloo group left to the interpreter's
-    finalization can abort a run that succeeded (see :func:`end_process_groups`).
+    PipeStrategy passes ``destroy=True``: Lightning does not destroy the groups it creates. A plain
+    :class:`~lightning_pipe.Pipeline` passes False: the groups are the user's, so at exit only the
+    threads are given their moment (a user who destroyed the groups may still hold subgroups).
     """
+    _exit["destroy"] = _exit["destroy"] or destroy
     if not _exit["registered"]:
         _exit["registered"] = True
-        atexit.register(end_process_groups)
+        atexit.register(lambda: end_process_groups(destroy=_exit["destroy"]))
 
 
 def note_failure() -> None:
@@ -234,7 +238,7 @@ def note_failure() -> None:
     _exit["failed"] = True
 
 
-def end_process_groups() -> None:
+def end_process_groups(destroy: bool = True) -> None:
     """Let gloo's worker threads settle, then destroy the process groups, unless this rank failed.
 
     A gloo worker thread that drops the last reference to a tensor Python already let go of takes
@@ -242,13 +246,14 @@ def end_process_groups() -> None:
     process aborts (SIGABRT, "terminate called without an active exception"; pytorch#190489). A
     pause that releases the GIL lets those threads finish first: in a loop of 2-process gloo runs
     ending right after an all-reduce, 4 of 25 aborted without it and none of 40 with it. Destroying
-    the groups then joins the threads of every group nothing else holds. A rank that failed keeps
-    its groups: destroying one waits for its pending works, which may wait on a peer that is gone.
-    NCCL groups are left to torch.
+    the groups then joins the threads of every group nothing else holds. A rank that failed (it
+    reported an error, or the script ends on an uncaught exception) keeps its groups: destroying
+    one waits for its pending works, which may wait on a peer that is gone. NCCL groups are left
+    to torch.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
     time.sleep(_SETTLE_SECONDS)
-    if _exit["failed"] or "nccl" in str(dist.get_backend()):
+    if not destroy or _exit["failed"] or hasattr(sys, "last_value") or not (dist.is_available() and dist.is_initialized()):
+        return
+    if "nccl" in str(dist.get_backend()):
         return
     dist.destroy_process_group()

@@ -23,7 +23,7 @@ from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_no
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
-from lightning_pipe.faults import ErrorChannel
+from lightning_pipe.faults import ErrorChannel, end_process_groups_at_exit
 from lightning_pipe.memory import ActivationMeter, MeterOff
 from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, scatter
 from lightning_pipe.partition import TIES_ATTRIBUTE
@@ -217,6 +217,7 @@ class Pipeline(Tracing):
         store = dist.distributed_c10d._get_default_store()
         prefix = f"lightning_pipe/{next(_instances)}/{'-'.join(map(str, self.ranks))}/"
         self.errors = ErrorChannel(store, prefix, timeout, threaded=dist.get_backend(self.group) != "nccl")
+        end_process_groups_at_exit(destroy=False)  # gloo can abort at exit otherwise (see end_process_groups)
         self.transport = Transport(self.group, self.pp_rank, self.num_ranks, device, self.errors, self.stage_ranks)
         self.executor = Executor(self.stages, self.transport, self.pp_rank, self.skip_layout)
 

@@ -37,7 +37,7 @@ from lightning_pipe import gradients
 from lightning_pipe.batchnorm import commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.faults import destroy_process_groups_at_exit, end_launched_ranks, note_failure, report_job_error
+from lightning_pipe.faults import end_launched_ranks, end_process_groups_at_exit, note_failure, report_job_error
 from lightning_pipe.lightning import hooks, logs, profile, release, scaling, tracing
 from lightning_pipe.lightning.body import present_whole_body
 from lightning_pipe.lightning.effects import BufferWatch, StepEffects
@@ -246,7 +246,7 @@ class PipeStrategy(DDPStrategy):
                 "process are not supported over NCCL yet (its grouped sends and receives could wait on each other "
                 "across two stages); use process_group_backend='gloo', or one stage per process")
         super().setup_environment()
-        destroy_process_groups_at_exit()
+        end_process_groups_at_exit(destroy=True)
         mesh = init_device_mesh(self.root_device.type, (self.pp_size, self.dp_size), mesh_dim_names=("pp", "dp"))
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
 
