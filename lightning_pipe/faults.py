@@ -250,6 +250,9 @@ def end_process_groups(destroy: bool = True) -> None:
     reported an error, or the script ends on an uncaught exception) keeps its groups: destroying
     one waits for its pending works, which may wait on a peer that is gone. NCCL groups are left
     to torch.
+
+    Args:
+        destroy: False to only let the threads settle (the groups are someone else's to destroy).
     """
     time.sleep(_SETTLE_SECONDS)
     if not destroy or _exit["failed"] or hasattr(sys, "last_value") or not (dist.is_available() and dist.is_initialized()):
