@@ -23,7 +23,7 @@ def _spec(name, case, strategy, devices, **options):
 
 
 NOISE_EPOCHS = 20
-# test modules whose own app (``main(argv)``: DDP on one device, PipeStrategy on two) runs in these launches
+# test modules whose own app (``main(kind, root, out)``: DDP on one device, PipeStrategy on two) runs in these launches
 APPS = ("test_outside_body_usage", "test_user_hooks_and_callbacks", "test_batches_and_views")
 LM_LAUNCHES = {
     "reference": [  # Lightning's DDP on one device

@@ -25,7 +25,7 @@ Cases:
 - ``bad_args``: a loop that gives each block another mask (refused); ``ema``: an EMA teacher
   updated inside ``training_step`` (refused).
 
-A run with ``app`` instead of ``case`` runs the ``main`` of that test module (its own model and
+A run with ``app`` instead of ``case`` runs ``main(kind, root, out)`` of that test module (its own model and
 Trainer), so the test files with an app of their own share these launches' process start-ups.
 """
 
@@ -530,14 +530,14 @@ def _global_rank() -> int:
 
 
 def run_app(spec: dict, root: str) -> dict:
-    """Another test file's app (``main(argv)`` taking ``--strategy --root --out``), in this launch's processes:
-    what it saved on global rank 0, ``{}`` on the other ranks."""
+    """Another test file's app (``main(kind, root, out)``, ``kind`` ``"ddp"`` or ``"pipe"``), in this launch's
+    processes: what it saved on global rank 0, ``{}`` on the other ranks."""
     import importlib
 
     folder = os.path.join(root, spec["name"])
     os.makedirs(folder, exist_ok=True)
     out = os.path.join(folder, "result.pt")
-    importlib.import_module(spec["app"]).main(["--strategy", spec["strategy"], "--root", folder, "--out", out])
+    importlib.import_module(spec["app"]).main(spec["strategy"], folder, out)
     return torch.load(out, weights_only=False) if _global_rank() == 0 else {}
 
 

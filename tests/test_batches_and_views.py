@@ -151,19 +151,12 @@ def test_no_warning_without_a_change_or_with_one_microbatch():
 
 
 # -- against DDP (in the shared launches) ---------------------------------------------------------
-def main(argv=None) -> None:
-    """The app trained under DDP (1 device) and PipeStrategy (2 stages), in the launches of ``tests/lm_app.py``."""
-    import argparse
-
+def main(kind: str, root: str, out: str) -> None:
+    """The app trained under DDP (1 device, ``kind="ddp"``) and PipeStrategy (2 stages, ``kind="pipe"``), in the
+    launches of ``tests/lm_app.py``."""
     import lightning.pytorch as pl
 
     from lightning_pipe import PipeStrategy
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=["ddp", "pipe"], required=True)
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
 
     class Count(nn.Module):
         def __init__(self):
@@ -208,16 +201,16 @@ def main(argv=None) -> None:
             groups.append({"params": list(self.embed.parameters()) + list(self.head.parameters())})
             return torch.optim.SGD(groups, lr=0.1)
 
-    pipe = args.strategy == "pipe"
+    pipe = kind == "pipe"
     torch.manual_seed(0)
     model = M()
     strategy = PipeStrategy(num_microbatches=4, schedule="gpipe", log_pipeline_metrics=False) if pipe else "ddp"
     trainer = pl.Trainer(accelerator="cpu", devices=2 if pipe else 1, strategy=strategy, max_epochs=2, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=args.root)
+                         default_root_dir=root)
     trainer.fit(model, torch.utils.data.DataLoader(Data(), batch_size=4))
     if trainer.is_global_zero:
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out)
 
 
 def test_per_sample_strings_and_layer_wise_learning_rates_over_a_sequential_body_train_as_ddp(lm_runs):

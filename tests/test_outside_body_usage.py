@@ -6,13 +6,12 @@ frozen in ``__init__``), the stage that called its module. A module released aft
 refuses to run, a gradient on a stage the first step did not learn is refused, and so is a training
 loss that does not require grad: each with a named error.
 
-Its ``main`` is the app the test against DDP trains (``--strategy ddp|pipe``), run in the shared
+Its ``main`` is the app the test against DDP trains (``kind`` "ddp" or "pipe"), run in the shared
 launches of ``tests/lm_app.py`` (see ``APPS`` in conftest.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -109,18 +108,13 @@ def test_a_training_loss_that_does_not_require_grad_is_refused():
 
 
 # -- against DDP (in the shared launches) -----------------------------------------------------------
-def main(argv=None) -> None:
+def main(kind: str, root: str, out: str) -> None:
+    """The app trained under DDP (1 device, ``kind="ddp"``) and PipeStrategy (2 stages, ``kind="pipe"``)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
 
     import lightning_pipe
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=["ddp", "pipe"], required=True)
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
 
     class Model(pl.LightningModule):
         """Embedding and head frozen in __init__, unfrozen at epoch 1; an aux head used from step 2 on."""
@@ -159,19 +153,19 @@ def main(argv=None) -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(24, 4, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(1).tanh())
-    strategy = lightning_pipe.PipeStrategy(num_microbatches=3, log_pipeline_metrics=False) if args.strategy == "pipe" \
+    strategy = lightning_pipe.PipeStrategy(num_microbatches=3, log_pipeline_metrics=False) if kind == "pipe" \
         else DDPStrategy(find_unused_parameters=True)
     losses = Losses()
-    checkpoint = ModelCheckpoint(dirpath=os.path.join(args.root, "ckpt"), save_top_k=-1)
-    trainer = pl.Trainer(accelerator="cpu", devices=2 if args.strategy == "pipe" else 1, strategy=strategy, max_epochs=3,
+    checkpoint = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_top_k=-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2 if kind == "pipe" else 1, strategy=strategy, max_epochs=3,
                          gradient_clip_val=0.05, callbacks=[losses, checkpoint], logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=args.root)
+                         enable_model_summary=False, default_root_dir=root)
     model = Model()
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=12))
     if trainer.is_global_zero:
         saved = torch.load(checkpoint.best_model_path, map_location="cpu", weights_only=False)["state_dict"]
         torch.save({"state_dict": {k: v.cpu() for k, v in model.state_dict().items()}, "losses": losses.losses,
-                    "checkpoint": saved}, args.out)
+                    "checkpoint": saved}, out)
 
 
 def test_a_head_frozen_at_first_then_unfrozen_with_clipping_and_checkpoints_trains_as_under_ddp(lm_runs):

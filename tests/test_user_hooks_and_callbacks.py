@@ -1,6 +1,6 @@
 """The user's own gradient code and Lightning's callbacks under PipeStrategy, against Lightning DDP.
 
-Its ``main`` (``--strategy pipe|ddp``) runs in the shared launches of ``tests/lm_app.py`` (see
+Its ``main`` (``kind`` "pipe" or "ddp") runs in the shared launches of ``tests/lm_app.py`` (see
 ``APPS`` in conftest.py), a fit and a resume from its epoch-1 checkpoint in the same processes:
 
 - ``on_before_optimizer_step`` calls ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` itself
@@ -15,7 +15,6 @@ LBFGS and StochasticWeightAveraging are refused at setup without a launch.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -101,13 +100,13 @@ def _loader():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=12)
 
 
-def _fit(args, folder, resume=None):
+def _fit(kind, folder, resume=None):
     pl.seed_everything(0)
     model, rows = Model(), Rows()
     strategy = PipeStrategy(num_microbatches=3, schedule="gpipe", log_pipeline_metrics=False) \
-        if args.strategy == "pipe" else "ddp"
+        if kind == "pipe" else "ddp"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2 if args.strategy == "pipe" else 1, strategy=strategy, max_epochs=3, logger=rows,
+        accelerator="cpu", devices=2 if kind == "pipe" else 1, strategy=strategy, max_epochs=3, logger=rows,
         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
         callbacks=[UnfreezeHead(), ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1)],
     )
@@ -116,20 +115,16 @@ def _fit(args, folder, resume=None):
     return trainer, rows.rows, weights
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", required=True)
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    trainer, rows, weights = _fit(args, os.path.join(args.root, "fit"))
-    checkpoint = os.path.join(args.root, "fit", "epoch=1.ckpt")
-    resumed_trainer, resumed_rows, resumed = _fit(args, os.path.join(args.root, "resumed"), resume=checkpoint)
+def main(kind: str, root: str, out: str) -> None:
+    """The app trained under DDP (1 device, ``kind="ddp"``) and PipeStrategy (2 stages, ``kind="pipe"``)."""
+    trainer, rows, weights = _fit(kind, os.path.join(root, "fit"))
+    checkpoint = os.path.join(root, "fit", "epoch=1.ckpt")
+    resumed_trainer, resumed_rows, resumed = _fit(kind, os.path.join(root, "resumed"), resume=checkpoint)
     if trainer.is_global_zero:
         saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
         torch.save(dict(rows=rows, weights=weights, resumed_rows=resumed_rows, resumed=resumed,
                         checkpoint=dict(state_dict=saved["state_dict"], optimizer_states=saved["optimizer_states"])),
-                   args.out)
+                   out)
 
 
 # -- the tests -------------------------------------------------------------------------------------
