@@ -11,6 +11,7 @@ from lightning_pipe.errors import (
     PipelineStepError,
     ScheduleError,
     SideEffectError,
+    StaleValueError,
 )
 from lightning_pipe.init import MaterializationError, materialize
 from lightning_pipe.microbatch import NoChunk
@@ -61,6 +62,7 @@ __all__ = [
     "ScheduleError",
     "SequentialModel",
     "SideEffectError",
+    "StaleValueError",
     "ZeroBubbleH1",
     "ZeroBubbleV",
     "balance_by_cost",

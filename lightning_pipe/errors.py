@@ -35,3 +35,7 @@ class BodyCallError(ConfigurationError):
 
 class SideEffectError(PipelineError, RuntimeError):
     """The user's step changed state that, under pipelining, it would change more than once per batch."""
+
+
+class StaleValueError(PipelineError, RuntimeError):
+    """The last stage computed a value from its out-of-date copy of a module the first stage trains, and used it."""

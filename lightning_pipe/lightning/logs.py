@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint import is_recomputing
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.lightning.stale import unmark
 
 try:  # torchmetrics is a dependency of Lightning, but keep this module importable without it
     from torchmetrics import Metric
@@ -153,8 +154,10 @@ class LogRecorder:
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if is_recomputing() or not self._calls:
             return
+        value = unmark(value, f"logged as {name!r}")
         call = bind_log_call(name, value, *args, **kwargs)
         if isinstance(value, Metric):
+            unmark(value._forward_cache, f"logged as {name!r}")
             call["value"] = ("metric", self._metric_paths[id(value)], _detach(value._forward_cache))
         else:
             call["value"] = _detach(value)

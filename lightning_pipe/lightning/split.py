@@ -290,6 +290,17 @@ class SplitModel:
         tied = {name for tie in self.ties for name in tie.names}
         return [Tie((name,), tuple(where)) for name, where in sorted(stages.items()) if len(where) > 1 and name not in tied]
 
+    def fresh_on_last(self, tied: Set[str]) -> Set[str]:
+        """The paths of the modules outside the body whose copies on the last stage stay equal to the trained ones
+        (after :meth:`learn_usage`): each of their parameters is trained there or tied (``tied``: canonical names
+        whose gradients are summed over the stages using them)."""
+        fresh = set()
+        for path, m in release.named_outside_body(self.module, self.path):
+            names = [self.canonical(f"{path}.{n}" if path else n) for n, p in m._parameters.items() if p is not None]
+            if all(n in tied or self.last_rank in self.users.get(n, ()) for n in names):
+                fresh.add(path)
+        return fresh
+
     def _caller(self, path: str, called: Optional[List[Set[str]]]) -> int:
         """The rank that uses a module outside the body that got no gradient: the first stage's if it called it
         (code before the body; the last stage runs it again only to discard it), else the last stage's."""

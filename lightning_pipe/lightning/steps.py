@@ -9,6 +9,7 @@ so whatever the step draws before the body (noise, masks, mixing weights) is dra
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -21,6 +22,7 @@ from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
 from lightning_pipe.lightning.losses import LossAccount, loss_of, merge
+from lightning_pipe.lightning.stale import StaleCopies, unmark
 from lightning_pipe.microbatch import scatter
 
 
@@ -51,6 +53,7 @@ class StepRunner:
         self.pipeline: Any = None
         self.account: Optional[LossAccount] = None
         self.runs_whole_too = False  # this process holds the first and the last stage of a pipeline (ZB-V)
+        self.stale: Optional[StaleCopies] = None  # the last stage's copies of what the first stage trains
 
     def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
         """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
@@ -69,8 +72,11 @@ class StepRunner:
         snapshot = self.effects.before(self.hook)
         counts = metric_counts(self.module, self.body_path) if self.runs_whole_too and mode == "stop" else None
         self.stand_in.begin_step(mode, replacement, checkpoint_layers)
+        watch = self.stale.watching() if self.stale is not None and mode == "replace" and self.hook == "training_step" \
+            else nullcontext()  # evaluation steps get every copy refreshed instead (see .stale)
         try:
-            output = getattr(self.module, self.hook)(batch, *self.hook_args)
+            with watch:
+                output = unmark(getattr(self.module, self.hook)(batch, *self.hook_args), f"returned by {self.hook}")
         except BodyReached:
             self.stand_in.begin_step("local")
             self.recorder.discard_microbatch()  # the last stage logs; under ZB-V it is on this process too

@@ -19,7 +19,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
 from lightning_pipe.lightning.objects import post_share, share_object
 from lightning_pipe.lightning.schedules import check_schedule, ideal_bubble
 from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
+from lightning_pipe.lightning.stale import StaleCopies
 from lightning_pipe.lightning.state import Checkpoints
 from lightning_pipe.lightning.steps import StepRunner
 from lightning_pipe.pipeline import Pipeline
@@ -180,6 +181,7 @@ class PipeStrategy(DDPStrategy):
         self._pipeline: Optional[Pipeline] = None
         self._checkpoints: Optional[Checkpoints] = None
         self._ties: Optional[TiedGradients] = None
+        self._stale: Optional[StaleCopies] = None
         self._pending_grads: Dict[torch.nn.Parameter, Optional[torch.Tensor]] = {}
 
     # -- topology ------------------------------------------------------------------------------
@@ -370,6 +372,12 @@ class PipeStrategy(DDPStrategy):
         self._runner = StepRunner(module, self.split.stand_in, self.split.path, self._recorder, self._effects,
                                   self.checkpoint, self.loss_reduction)
         self._ties = None
+        if self._stale is not None:
+            self._stale.remove()  # an earlier module's
+        split = self.split
+        self._stale = None if self.pp_size == 1 or split.first_rank == split.last_rank else \
+            StaleCopies(module, split.path, [split.stand_in], watch=split.pp_rank == split.last_rank)
+        self._runner.stale = self._stale
 
     def _bare_optimizers(self) -> List[Any]:
         return [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -387,6 +395,7 @@ class PipeStrategy(DDPStrategy):
             earlier = gradients.take_grads(module.parameters())
             if self._zeroed_after_step(module.trainer):
                 earlier = {}  # stale: Lightning zeroes them after this step; freed now, before new ones exist
+            self._refresh_stale_copies(training=True)
             posted = self._post_results()
             buffers = self._buffer_watch.before()
             with self._recorder.recording(), release.calls_recorded() as self._called:
@@ -445,13 +454,20 @@ class PipeStrategy(DDPStrategy):
         """First step: which stage trains each parameter outside the body (see :class:`SplitModel`)."""
         split, module = self.split, self.lightning_module
         used = [split.canonical(n) for n, p in module.named_parameters() if split.layer_of(n) is None and p.grad is not None]
+        noted = sorted(self._stale.noted) if self._stale is not None else []
         per_stage: List[Any] = [None] * self.pp_size
-        dist.all_gather_object(per_stage, (used, split.called_names(self._called)), group=self.pp_group)
-        shared = split.learn_usage([u for u, _ in per_stage], [c for _, c in per_stage])
+        dist.all_gather_object(per_stage, (used, split.called_names(self._called), noted), group=self.pp_group)
+        shared = split.learn_usage([u for u, _, _ in per_stage], [c for _, c, _ in per_stage])
         self._ties = TiedGradients(split.ties + shared, module, self.stage_index, self.pp_group)
         tied = sorted({tie.names[0] for tie in self._ties.ties})
         if tied:
             rank_zero_info(f"PipeStrategy: parameters used on several stages, kept in sync: {tied}")
+        if self._stale is not None:
+            tied_names = {name for tie in self._ties.ties for name in tie.names}
+            synced = self._stale.learn(per_stage[split.last_rank][2], split.fresh_on_last(tied_names))
+            if synced:
+                rank_zero_info(f"PipeStrategy: the code before the body uses values of {synced} beyond the body's "
+                               "input on the last stage; its copies there are refreshed from the first stage every step")
         split.release_unused(self._called, self._bare_optimizers())
 
     def _start_overlap(self, normalizer: float) -> None:
@@ -472,6 +488,16 @@ class PipeStrategy(DDPStrategy):
         trained = [p for p, g in self._pending_grads.items() if g is not None]
         self._pipeline.sync_replicas_of(self.dp_group, trained)
         self._overlapped = {id(p) for p in trained}
+
+    def _refresh_stale_copies(self, training: bool) -> None:
+        if self._stale is not None:
+            self._stale.refresh(self._pipeline.transport, self.split.first_rank, self.split.last_rank, training)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._stale is not None:
+            self._stale.stepped()  # the first stage's copies changed: the last stage's are refreshed before they are used
+        return out
 
     def _post_results(self) -> Any:
         """Before a step: post this rank's receive of the step's results (see :func:`post_share`)."""
@@ -513,6 +539,7 @@ class PipeStrategy(DDPStrategy):
         if self.pp_size == 1:
             with context:
                 return getattr(self.lightning_module, hook)(*args)
+        self._refresh_stale_copies(training=False)
         posted = self._post_results()
         with context:
             outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.is_first_stage,

@@ -1,0 +1,293 @@
+"""The last stage's copies of modules it calls before the body but does not train.
+
+The last stage reruns the user's step whole (see :mod:`.steps`), so the code before the body call
+runs there too, with the last stage's copies of the modules it calls (an embedding, say). The
+first stage trains those modules (their gradients come from the body's input); the last stage's
+copy gets no gradient and, from the second step on, is out of date. That is harmless while what
+it computes only feeds the body call, whose result the pipeline replaces (a language model's
+embedding: the common case, which then costs nothing). Anything else such a value reaches would
+silently differ from what one process computes: a logged value, a metric's state, a number read
+into Python (``if h.isnan().any()``), the step's result.
+
+So in training steps the last stage *marks* the outputs of those modules computed before the
+body call (:class:`Stale`, a tensor subclass whose ``__torch_function__`` passes the mark on to
+whatever is computed from them; torch has no other way to follow a value through arbitrary user
+code, and operations on unmarked tensors pay nothing). A marked value reaching one of those
+*sinks* notes its module. In the first training step every copy still equals the first stage's,
+so noting is all: after it (:meth:`StaleCopies.learn`), each noted module the last stage does not
+train is kept equal to the first stage's copy, sent before every training step that follows an
+optimizer step (:meth:`StaleCopies.refresh`). A module whose marked values first reach a sink
+later (code under ``if batch_idx % 100 == 50``) raises :class:`~lightning_pipe.errors.StaleValueError`
+instead of computing with an old copy. Printing a marked value (``repr``, ``format``) is not a sink.
+Evaluation steps follow nothing: before the first evaluation step after an optimizer step, every
+copy the last stage does not train is refreshed (once per validation loop, not per step).
+
+A write of a marked value into an unmarked tensor (``buffer.copy_(h)``, ``x[:, :n] = h``) counts
+as a sink, since the tensor written may be a metric's state; in the first step that only costs
+the refresh.
+"""
+
+from __future__ import annotations
+
+import pickle
+from contextlib import contextmanager
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_pipe.errors import StaleValueError
+from lightning_pipe.lightning import release
+from lightning_pipe.lightning.objects import broadcast_object, dumps
+
+_WATCH: Optional["StaleCopies"] = None  # the copies being watched while the last stage runs the user's step
+
+# functions whose result does not depend on a tensor's values (besides ``is_*`` ones, see _reads)
+_METADATA = {"shape", "dtype", "ndim", "device", "layout", "requires_grad", "grad_fn", "size", "dim", "numel",
+             "nelement", "stride", "storage_offset", "element_size", "itemsize", "nbytes", "data_ptr", "get_device",
+             "__len__", "__hash__", "names", "_version", "is_leaf"}
+_READ_TYPES = (bool, int, float, complex, list, np.ndarray)  # not str: printing a value is not a sink
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property's getter: the property's own name
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _reads(func: Any, name: str, out: Any) -> bool:
+    """Whether ``func`` took a tensor's values into Python (``item``, ``bool``, ``tolist``, ``torch.equal``)."""
+    if name in _METADATA or name.startswith("is_") and name != "is_nonzero":
+        return False
+    return isinstance(out, _READ_TYPES)
+
+
+def _written(func: Any, name: str, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The tensor ``func`` writes into: ``out=``, or the first argument of an in-place method."""
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    in_place = name.endswith("_") and not name.startswith("_") or name == "__setitem__" \
+        or name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__int__", "__init__", "__iter__")
+    return args[0] if in_place and args and isinstance(args[0], torch.Tensor) else None
+
+
+def sources_of(tree: Any) -> FrozenSet[str]:
+    """The modules the marked tensors in ``tree`` come from."""
+    found: Set[str] = set()
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, Stale):
+            found |= leaf._sources
+    return frozenset(found)
+
+
+def _mark(value: Any, sources: FrozenSet[str]) -> Any:
+    if type(value) is torch.Tensor or isinstance(value, nn.Parameter):
+        marked = value.as_subclass(Stale)
+        marked._sources = sources
+        return marked
+    if isinstance(value, Stale):
+        value._sources = value._sources | sources
+    return value
+
+
+def mark(tree: Any, sources: FrozenSet[str]) -> Any:
+    """``tree`` with each tensor marked as computed from ``sources``."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return tree_map(lambda leaf: _mark(leaf, sources), tree)
+
+
+def unmark(tree: Any, what: str) -> Any:
+    """``tree`` with its marked tensors plain again (same data and graph); their sources reached ``what``."""
+    sources = sources_of(tree)
+    if not sources:
+        return tree
+    if _WATCH is not None:
+        _WATCH.note(sources, what)
+    with torch._C.DisableTorchFunctionSubclass():
+        return tree_map(lambda leaf: leaf.as_subclass(torch.Tensor) if isinstance(leaf, Stale) else leaf, tree)
+
+
+class Stale(torch.Tensor):
+    """A value the last stage computed before the body from a copy of a module it does not train.
+
+    Example (no body here, so every call counts as before it):
+        >>> model = nn.Module()
+        >>> model.embed = nn.Linear(2, 2)
+        >>> copies = StaleCopies(model, "body", [], watch=True)
+        >>> with copies.watching():
+        ...     h = model.embed(torch.ones(2)) * 2
+        ...     _ = h.sum().item()
+        >>> type(h).__name__, copies.noted
+        ('Stale', {'embed': 'read into Python (item)'})
+    """
+
+    _sources: FrozenSet[str] = frozenset()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name == "__format__":  # Tensor.__format__ formats a number only for a plain Tensor
+            return format(args[0].as_subclass(torch.Tensor), *args[1:])
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        watch = _WATCH
+        if watch is None:  # a marked value kept past the step: it stops spreading
+            return out
+        sources = sources_of((args, kwargs))
+        target = _written(func, name, args, kwargs)
+        if target is not None and not isinstance(target, Stale):
+            watch.note(sources, f"written into a tensor ({name})")
+            return out
+        if _reads(func, name, out):
+            watch.note(sources, f"read into Python ({name})")
+            return out
+        if name == "__iter__":
+            return iter([mark(t, sources) for t in out])
+        return mark(out, sources)
+
+
+class StaleCopies:
+    """Watches and refreshes the last stage's copies of the modules the first stage trains (see the module docstring).
+
+    Built on every rank of a pipeline whose last stage is on another process than its first, from
+    the same module structure; only the last stage's process watches, only the first stage's sends.
+
+    Args:
+        module: the LightningModule (its body already replaced by the stand-in).
+        body_path: the body's attribute path.
+        stand_ins: what tells whether the body was called yet (the body's stand-in; none in tests).
+        watch: whether this process holds the last stage (it marks and follows values).
+    """
+
+    def __init__(self, module: nn.Module, body_path: str, stand_ins: Sequence[Any], watch: bool) -> None:
+        self.module = module
+        self.stand_ins = list(stand_ins)
+        self.candidates = self.find_candidates(module, body_path)
+        self.noted: Dict[str, str] = {}  # module path -> the first sink its marked values reached
+        self.learned = False
+        self.stale: List[str] = []  # the candidates the last stage does not train (learned)
+        self.synced: List[str] = []  # those refreshed before every training step
+        self.version = 0  # optimizer steps so far
+        self._synced_at = self._all_at = 0  # the version the synced copies, and all stale ones, were refreshed at
+        self._watched = set(self.candidates) if watch else set()
+        self._handles = [self.module.get_submodule(path).register_forward_hook(self._hook(path))
+                         for path in sorted(self._watched)]
+
+    @staticmethod
+    def find_candidates(module: nn.Module, body_path: str) -> List[str]:
+        """The paths of the modules outside the body that own parameters (the copies that can fall behind)."""
+        return [path for path, m in release.named_outside_body(module, body_path)
+                if m is not module and any(p is not None for p in m._parameters.values())]
+
+    def _hook(self, path: str) -> Any:
+        sources = frozenset({path})
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            if _WATCH is not self or path not in self._watched or any(s.body_called() for s in self.stand_ins):
+                return None
+            return mark(output, sources)
+        return hook
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Mark and follow the watched modules' outputs while the last stage runs the user's step."""
+        global _WATCH
+        outer, _WATCH = _WATCH, self if self._watched else None
+        try:
+            yield
+        finally:
+            _WATCH = outer
+
+    def note(self, sources: FrozenSet[str], what: str) -> None:
+        """Marked values from ``sources`` reached a sink (``what``): noted before :meth:`learn`, refused after."""
+        if not self.learned:
+            for path in sources:
+                self.noted.setdefault(path, what)
+            return
+        late = sorted(p for p in sources if p in self._watched and self._trainable(p))
+        if late:
+            raise StaleValueError(
+                f"training_step computed a value from `self.{late[0]}` before the body call, and on the last stage it "
+                f"was {what}, a use the first training step did not make. The first stage trains `self.{late[0]}`; the "
+                "last stage, which runs your step again whole, keeps its copy equal to the first stage's only for the "
+                "uses the first step showed, so this value would come from an old copy. Make the use happen in the "
+                "first step too (e.g. every step), or compute the value from the body's output instead"
+            )
+
+    def _trainable(self, path: str) -> bool:
+        return any(p is not None and p.requires_grad for p in self.module.get_submodule(path)._parameters.values())
+
+    def learn(self, noted: Sequence[str], fresh: Set[str]) -> List[str]:
+        """After the first training step (on every rank, with the last stage's :attr:`noted`): keep the noted
+        modules the last stage does not train in sync; watch the others that it does not train.
+
+        Args:
+            noted: the paths the last stage noted.
+            fresh: the candidate paths whose copies on the last stage stay equal to the trained ones
+                (:meth:`~lightning_pipe.lightning.split.SplitModel.fresh_on_last`).
+
+        Returns:
+            The paths kept in sync (sorted).
+        """
+        self.stale = sorted(set(self.candidates) - fresh)
+        self.synced = sorted(set(noted) & set(self.stale))
+        self.learned = True
+        self._watched = self._watched & set(self.stale) - set(self.synced)
+        if not self._watched:
+            self.remove()
+        return self.synced
+
+    def stepped(self) -> None:
+        """An optimizer stepped: the first stage's copies changed."""
+        self.version += 1
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._watched = [], set()
+
+    def _state(self, paths: Sequence[str]) -> Dict[str, torch.Tensor]:
+        """What the first stage changes in those modules: trainable parameters, and buffers (running statistics
+        of a normalization before the body, which the last stage's copy would compute from old inputs)."""
+        state = {}
+        for path in paths:
+            m = self.module.get_submodule(path)
+            state.update({f"{path}.{n}": p.detach() for n, p in m._parameters.items() if p is not None and p.requires_grad})
+            state.update({f"{path}.{n}": b for n, b in m._buffers.items() if b is not None})
+        return state
+
+    def refresh(self, transport: Any, first: int, last: int, training: bool) -> None:
+        """Before a step: send the copies the step needs from pipeline rank ``first`` to ``last`` if an optimizer
+        stepped since they were last sent (every rank of the pipeline calls this; under NCCL it is a broadcast).
+
+        A training step needs the synced modules; an evaluation step, which follows nothing, every stale one.
+        """
+        paths, at = (self.synced, self._synced_at) if training else (self.stale, self._all_at)
+        if not paths or at == self.version:
+            return
+        self._synced_at = self.version
+        if not training:
+            self._all_at = self.version
+        what = f"the first stage's copies of {paths}, which the last stage's code before the body uses"
+        if transport.batched:
+            state = broadcast_object(self._state(paths) if transport.pp_rank == first else None, transport.ranks[first],
+                                     transport.group, transport.device)
+        elif transport.pp_rank == first:
+            transport.send_bytes(dumps(self._state(paths)), [last], what)
+            return
+        elif transport.pp_rank == last:
+            state = pickle.loads(transport.recv_bytes(first, what))
+        else:
+            return
+        if transport.pp_rank == last:
+            with torch.no_grad():
+                for name, value in state.items():
+                    path, _, attr = name.rpartition(".")
+                    getattr(self.module.get_submodule(path), attr).copy_(value)
