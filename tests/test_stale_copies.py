@@ -1,8 +1,9 @@
-"""The last stage's copies of modules the first stage trains: values computed from them before the body.
+"""The last stage's copies of modules the first stage trains: values computed from them.
 
 The last stage reruns the user's step whole, with its own copy of an embedding the first stage
 trains. Values that only feed the body are discarded; one that is logged, read into Python,
-written into a metric's state or returned must come from an up-to-date copy. Unit tests of the
+written into a metric's state or returned must come from an up-to-date copy, before the body or
+after it (a module the loss calls under ``torch.no_grad()``). Unit tests of the
 marking first; then one model trained under DDP (1 device) and PipeStrategy (2 stages) in the
 shared launches of ``tests/lm_app.py`` (see ``APPS`` in conftest.py): it logs a value of its
 embedding before the body every step, updates a metric with it and returns it.
@@ -18,14 +19,6 @@ from lightning_pipe import StaleValueError
 from lightning_pipe.lightning.stale import Stale, StaleCopies, unmark
 
 
-class _StandIn:
-    def __init__(self) -> None:
-        self.called = False
-
-    def body_called(self) -> bool:
-        return self.called
-
-
 def _model():
     torch.manual_seed(0)
     model = nn.Module()
@@ -34,24 +27,25 @@ def _model():
     return model
 
 
-def _copies(model, stand_in=None):
-    return StaleCopies(model, "body", [stand_in or _StandIn()], watch=True)
+def _copies(model):
+    return StaleCopies(model, "body", watch=True)
 
 
 # -- marking and sinks -----------------------------------------------------------------------------
-def test_outputs_are_marked_only_before_the_body_and_only_while_watched():
-    model, body = _model(), _StandIn()
-    copies = _copies(model, body)
+def test_outputs_are_marked_only_while_watched():
+    model = _model()
+    copies = _copies(model)
     x = torch.ones(2, 3)
     assert type(model.embed(x)) is torch.Tensor  # not watching
     with copies.watching():
         h = model.embed(x) + model.pos(x)
         assert isinstance(h, Stale) and h._sources == {"embed", "pos"}
-        body.called = True
-        assert type(model.head(torch.ones(2, 3))) is torch.Tensor  # after the body: the last stage's own
-        assert type(model.embed(x)) is torch.Tensor
+        assert isinstance(model.head(torch.ones(2, 3)), Stale)  # until the first step tells what the last stage trains
     assert type(h * 2) is torch.Tensor  # kept past the step: stops spreading
     assert copies.noted == {}
+    copies.learn([], fresh={"head"})
+    with copies.watching():
+        assert type(model.head(torch.ones(2, 3))) is torch.Tensor and isinstance(model.embed(x), Stale)
 
 
 @pytest.mark.parametrize("use, what", [
@@ -148,7 +142,7 @@ def test_refresh_sends_what_the_step_needs_once_per_optimizer_step():
     with torch.no_grad():
         for p in first.parameters():
             p.add_(1.0)  # the first stage trained its copies
-    ranks = [StaleCopies(first, "body", [], watch=False), StaleCopies(last, "body", [], watch=True)]
+    ranks = [StaleCopies(first, "body", watch=False), StaleCopies(last, "body", watch=True)]
 
     def refresh(training):
         for rank, copies in enumerate(ranks):
@@ -188,7 +182,7 @@ def main(kind: str, root: str, out: str) -> None:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.embed, self.shift = nn.Linear(4, 8), nn.Linear(4, 8)
+            self.embed, self.shift, self.probe = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(4, 8)
             self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
             self.head = nn.Linear(8, 1)
             self.norms = torchmetrics.MeanMetric()
@@ -197,16 +191,18 @@ def main(kind: str, root: str, out: str) -> None:
             x, y = batch
             h = self.embed(x)
             self.log("h_mean", h.mean())  # before the body, from the embedding the first stage trains
-            h = h + self.shift(x)  # only feeds the body in training
+            h = h + self.shift(x) + self.probe(x)  # `shift` only feeds the body in training
             self.norms.update(h.norm(dim=1))
             self.log("h_norm", self.norms, on_step=False, on_epoch=True)
             scale = h.detach().abs().mean()
             loss = nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1), y)
+            with torch.no_grad():
+                self.log("probe_mean", self.probe(x).mean())  # after the body, without a gradient
             return {"loss": loss, "scale": scale}
 
         def validation_step(self, batch, batch_idx):
             x, y = batch
-            h = self.embed(x) + self.shift(x)
+            h = self.embed(x) + self.shift(x) + self.probe(x)
             self.log("val_h_mean", h.mean())  # `shift` logged in evaluation only
             self.log("val_loss", nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1), y))
 
@@ -220,7 +216,7 @@ def main(kind: str, root: str, out: str) -> None:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             metrics = trainer.callback_metrics
             self.steps.append(torch.stack([outputs["loss"].detach().cpu(), outputs["scale"].cpu(),
-                                           metrics["h_mean"].cpu()]))
+                                           metrics["h_mean"].cpu(), metrics["probe_mean"].cpu()]))
 
     pl.seed_everything(0)
     g = torch.Generator().manual_seed(1)
@@ -246,9 +242,9 @@ def test_values_of_the_embedding_logged_and_returned_before_the_body_match_ddp(l
     of `embed` (0.0249 against DDP's 0.0242 at step 2); losses and weights matched, the logs did not."""
     want = lm_runs("reference")[0]["test_stale_copies_ddp"]
     got = lm_runs("world2")[0]["test_stale_copies_pipe"]
-    assert want["steps"].shape == (8, 3)
+    assert want["steps"].shape == (8, 4)
     torch.testing.assert_close(got["steps"], want["steps"])
-    assert set(want["metrics"]) == {"h_mean", "h_norm", "val_h_mean", "val_loss"}
+    assert set(want["metrics"]) == {"h_mean", "h_norm", "probe_mean", "val_h_mean", "val_loss"}
     for key, value in want["metrics"].items():
         torch.testing.assert_close(got["metrics"][key], value, msg=lambda m: f"{key}: {m}")
     for key, value in want["state_dict"].items():

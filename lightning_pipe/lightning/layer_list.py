@@ -225,9 +225,6 @@ class PipelinedLayerList(StandIn, nn.Module):
         self._seen = []
         self._handed = None
 
-    def body_called(self) -> bool:
-        return bool(self.__dict__.get("_seen"))
-
     def end_step(self, hook: str, path: str) -> None:
         mode, seen = self.mode, self._seen
         self.begin_step("local")

@@ -1,4 +1,4 @@
-"""The last stage's copies of modules it calls before the body but does not train.
+"""The last stage's copies of modules outside the body that it does not train.
 
 The last stage reruns the user's step whole (see :mod:`.steps`), so the code before the body call
 runs there too, with the last stage's copies of the modules it calls (an embedding, say). The
@@ -9,13 +9,14 @@ embedding: the common case, which then costs nothing). Anything else such a valu
 silently differ from what one process computes: a logged value, a metric's state, a number read
 into Python (``if h.isnan().any()``), the step's result.
 
-So in training steps the last stage *marks* the outputs of those modules computed before the
-body call (:class:`Stale`, a tensor subclass whose ``__torch_function__`` passes the mark on to
+So in training steps the last stage *marks* the outputs of the modules outside the body
+(:class:`Stale`, a tensor subclass whose ``__torch_function__`` passes the mark on to
 whatever is computed from them; torch has no other way to follow a value through arbitrary user
-code, and operations on unmarked tensors pay nothing). A marked value reaching one of those
-*sinks* notes its module. In the first training step every copy still equals the first stage's,
+code, and operations on unmarked tensors pay nothing); a call after the body (a module under
+``torch.no_grad()`` in the loss) is followed too. A marked value reaching one of those *sinks*
+notes its module. In the first training step every copy still equals the first stage's,
 so noting is all: after it (:meth:`StaleCopies.learn`), each noted module the last stage does not
-train is kept equal to the first stage's copy, sent before every training step that follows an
+train (whose gradients it neither computes nor gets summed in) is kept equal to the first stage's copy, sent before every training step that follows an
 optimizer step (:meth:`StaleCopies.refresh`). A module whose marked values first reach a sink
 later (code under ``if batch_idx % 100 == 50``) raises :class:`~lightning_pipe.errors.StaleValueError`
 instead of computing with an old copy. Printing a marked value (``repr``, ``format``) is not a sink.
@@ -114,12 +115,12 @@ def unmark(tree: Any, what: str) -> Any:
 
 
 class Stale(torch.Tensor):
-    """A value the last stage computed before the body from a copy of a module it does not train.
+    """A value the last stage computed from its copy of a module outside the body that it does not train.
 
-    Example (no body here, so every call counts as before it):
+    Example:
         >>> model = nn.Module()
         >>> model.embed = nn.Linear(2, 2)
-        >>> copies = StaleCopies(model, "body", [], watch=True)
+        >>> copies = StaleCopies(model, "body", watch=True)
         >>> with copies.watching():
         ...     h = model.embed(torch.ones(2)) * 2
         ...     _ = h.sum().item()
@@ -162,13 +163,11 @@ class StaleCopies:
     Args:
         module: the LightningModule (its body already replaced by the stand-in).
         body_path: the body's attribute path.
-        stand_ins: what tells whether the body was called yet (the body's stand-in; none in tests).
         watch: whether this process holds the last stage (it marks and follows values).
     """
 
-    def __init__(self, module: nn.Module, body_path: str, stand_ins: Sequence[Any], watch: bool) -> None:
+    def __init__(self, module: nn.Module, body_path: str, watch: bool) -> None:
         self.module = module
-        self.stand_ins = list(stand_ins)
         self.candidates = self.find_candidates(module, body_path)
         self.noted: Dict[str, str] = {}  # module path -> the first sink its marked values reached
         self.learned = False
@@ -190,7 +189,7 @@ class StaleCopies:
         sources = frozenset({path})
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            if _WATCH is not self or path not in self._watched or any(s.body_called() for s in self.stand_ins):
+            if _WATCH is not self or path not in self._watched:
                 return None
             return mark(output, sources)
         return hook

@@ -376,7 +376,7 @@ class PipeStrategy(DDPStrategy):
             self._stale.remove()  # an earlier module's
         split = self.split
         self._stale = None if self.pp_size == 1 or split.first_rank == split.last_rank else \
-            StaleCopies(module, split.path, [split.stand_in], watch=split.pp_rank == split.last_rank)
+            StaleCopies(module, split.path, watch=split.pp_rank == split.last_rank)
         self._runner.stale = self._stale
 
     def _bare_optimizers(self) -> List[Any]:
