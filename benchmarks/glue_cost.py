@@ -19,12 +19,15 @@ starting together. Without it, each step's time depended on the step before it: 
 optimizer step takes longer than stage 0's here (10 against 5 ms), and stage 0 then waited for the
 last stage at the start of whichever step came next, by as much as the previous step let it lag.
 
-Two parts of the difference are measured in the same steps and printed: Lightning's own
-``self.log`` call (stage 0 replays the step's call once; a plain single-device Trainer pays the
-same call, about 1.3 ms here) and the last stage's rerun of the code before the body (``embed``;
-the design reruns it so that the user's step runs unchanged). The last line is
-``glue_vs_plain=<x>``: the median Lightning step over the median plain step (goal: at most 1.05).
-The line before it gives the median of the per-pair ratios, which cancels slow drift better.
+Printed with it: Lightning's own ``self.log`` call (stage 0 replays the step's call once; a plain
+single-device Trainer pays the same call), measured in the same steps; whether the last stage
+skipped its rerun of the code before the body after the first step (``embed``, whose output only
+feeds the body: see :mod:`lightning_pipe.lightning.stale`); and, after the pipelined run, Lightning's
+own loop on one process: a single-device Trainer step on the whole model over a plain loop step
+(median of the per-step differences), which any Lightning run pays, with the ratio left once it is
+taken off (``glue_own_vs_plain``). The last line is ``glue_vs_plain=<x>``: the median Lightning
+step over the median plain step (goal: at most 1.05). The line before the last two gives the
+median of the per-pair ratios, which cancels slow drift better.
 
     python benchmarks/glue_cost.py      # about 30 s on 2 cores; Lightning starts rank 1 itself
 """
@@ -39,6 +42,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
@@ -73,8 +77,8 @@ class StepTimer(pl.Callback):
 
     def __init__(self) -> None:
         self.times, self.plain_times, self._start, self._plain = [], [], 0.0, None
-        self.log_times, self.rerun_times = [], []  # per step: stage 0's log replay, the last stage's `embed`
-        self._part = 0.0
+        self.log_times = []  # per step: stage 0's log replay
+        self.skipped = False  # whether the last stage skipped its rerun of `embed`
 
     def on_train_start(self, trainer, pl_module):
         self._plain = PlainSteps(dist.get_rank())
@@ -86,16 +90,9 @@ class StepTimer(pl.Callback):
             self.log_times[-1] += time.perf_counter() - start
 
         logs.replay = timed_replay  # the strategy calls logs.replay once a step, after the pipelined step
-        if trainer.strategy.is_last_stage:
-            pl_module.embed.register_forward_pre_hook(lambda *_: setattr(self, "_part", time.perf_counter()))
-            pl_module.embed.register_forward_hook(lambda *_: self._add_rerun())
-
-    def _add_rerun(self):
-        self.rerun_times[-1] += time.perf_counter() - self._part
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.log_times.append(0.0)
-        self.rerun_times.append(0.0)
         dist.barrier()  # both steps start with the ranks together (see the module's docstring)
         self._start = time.perf_counter()
 
@@ -105,8 +102,9 @@ class StepTimer(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, (self.log_times, self.rerun_times))
-        self.log_times, self.rerun_times = per_rank[0][0], per_rank[-1][1]
+        stale = trainer.strategy._stale
+        dist.all_gather_object(per_rank, (self.log_times, stale is not None and bool(stale._skipped)))
+        self.log_times, self.skipped = per_rank[0][0], per_rank[-1][1]
 
 
 def data() -> torch.utils.data.TensorDataset:
@@ -139,6 +137,43 @@ class PlainSteps:
         return time.perf_counter() - start
 
 
+class LoopTimer(pl.Callback):
+    """Lightning's own loop on one process: each single-device Trainer step on the whole model, then one step of
+    a plain loop (forward, loss, backward, ``optimizer.step()``, ``zero_grad()``) on a copy of it."""
+
+    def __init__(self) -> None:
+        self.times, self.plain_times, self._start = [], [], 0.0
+
+    def on_train_start(self, trainer, pl_module):
+        torch.manual_seed(0)
+        self.model = Model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x, self.y = data().tensors
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self._start)
+        xb, yb = (t[batch_idx * BATCH:(batch_idx + 1) * BATCH] for t in (self.x, self.y))
+        start = time.perf_counter()
+        model = self.model
+        nn.functional.mse_loss(model.head(model.body(model.embed(xb))), yb).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.plain_times.append(time.perf_counter() - start)
+
+
+def lightning_loop_cost() -> float:
+    """Median seconds a single-device Trainer step takes beyond a plain loop step (same model, self.log included)."""
+    timer = LoopTimer()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=SingleDeviceStrategy("cpu"), max_steps=STEPS,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[timer])
+    trainer.fit(Model(), torch.utils.data.DataLoader(data(), batch_size=BATCH))
+    return statistics.median(a - b for a, b in zip(timer.times[WARMUP:], timer.plain_times[WARMUP:]))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -150,18 +185,24 @@ def main() -> None:
     )
     loader = torch.utils.data.DataLoader(data(), batch_size=BATCH)
     trainer.fit(Model(), loader)
+    loop = lightning_loop_cost() if dist.get_rank() == 0 else 0.0  # the other rank waits, idle
+    dist.barrier()
     if dist.get_rank() == 0:
         ours, base = statistics.median(timer.times[WARMUP:]), statistics.median(timer.plain_times[WARMUP:])
         print(f"model: embed + {DEPTH} x (Linear({WIDTH}) + ReLU) + head, batch {BATCH} in {MICROBATCHES} "
               f"microbatches, 2 stages, 1F1B, AdamW, 1 thread per rank, gloo; median of {STEPS - WARMUP} steps, "
               "each Lightning step followed by a plain one, each step started by a barrier")
-        log, rerun = (statistics.median(t[WARMUP:]) for t in (timer.log_times, timer.rerun_times))
+        log = statistics.median(timer.log_times[WARMUP:])
         print(f"lightning PipeStrategy step: {1e3 * ours:.2f} ms")
         print(f"plain PipeDream step:        {1e3 * base:.2f} ms")
-        print(f"in the difference: Lightning's own self.log {1e3 * log:.2f} ms (stage 0), the last stage's rerun "
-              f"of embed {1e3 * rerun:.2f} ms ({len(timer.times) - WARMUP} steps, medians)")
+        print(f"in the difference: Lightning's own self.log {1e3 * log:.2f} ms (stage 0, median of "
+              f"{len(timer.times) - WARMUP} steps); the last stage's rerun of embed "
+              f"{'skipped' if timer.skipped else 'computed'} after the first step")
         paired = statistics.median(a / b for a, b in zip(timer.times[WARMUP:], timer.plain_times[WARMUP:]))
         print(f"median of the per-pair ratios (each Lightning step over the plain step after it): {paired:.3f}")
+        print(f"Lightning's own loop on one process (a single-device Trainer step over a plain loop step, the whole "
+              f"model, its self.log included): {1e3 * loop:.2f} ms; without it: glue_own_vs_plain="
+              f"{(ours - loop) / base:.3f}")
         print(f"glue_vs_plain={ours / base:.3f}")
 
 

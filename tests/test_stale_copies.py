@@ -107,15 +107,44 @@ def test_after_the_first_step_noted_copies_are_synced_and_a_late_use_of_another_
         model.pos(torch.ones(2, 3)).sum().item()  # frozen: its copy cannot be out of date
         h = model.extra(torch.ones(2, 3))
         h = h * 2  # feeding the body: fine
-        with pytest.raises(StaleValueError, match=r"`self\.extra` before the body call, and on the last stage it was read into Python \(item\)"):
+        with pytest.raises(StaleValueError, match=r"`self\.extra` and it was read into Python \(item\), a use the first training step did not make"):
             h.sum().item()
 
 
-def test_nothing_left_to_watch_removes_the_hooks():
+def test_modules_left_unwatched_lose_their_hooks():
     model = _model()
     copies = _copies(model)
-    copies.learn([], fresh={"embed", "pos", "head"})
-    assert not copies._handles and not model.embed._forward_hooks
+    copies.learn(["pos"], fresh={"head"})
+    assert set(copies._handles) == {"embed"} and not model.pos._forward_hooks and not model.head._forward_hooks
+
+
+def test_after_the_first_step_a_watched_pure_module_skips_its_computation_on_the_last_stage():
+    """Its output can only feed the body (any other use raises), so after one real call per input shape the last
+    stage hands back zeros of the output's shape, marked; outside a watched step, and for a deep copy (an EMA
+    teacher), the module computes."""
+    import copy
+
+    model = _model()
+    model.custom = nn.Bilinear(3, 3, 3)  # not of a kind known to be pure: never skipped
+    copies = _copies(model)
+    copies.learn([], fresh={"head"})
+    assert set(copies._skipped) == {id(model.embed), id(model.pos)}
+    x = torch.randn(4, 3)
+    teacher = copy.deepcopy(model)
+    with copies.watching():
+        first, again, other = model.embed(x), model.embed(x * 2), model.embed(torch.randn(2, 5, 3))
+        from_copy = teacher.embed(x)
+        with pytest.raises(StaleValueError):
+            again.sum().item()
+    assert isinstance(again, Stale) and again._sources == {"embed"}
+    assert again.shape == (4, 3) and again.requires_grad and not again.any()  # skipped
+    torch.testing.assert_close(first.as_subclass(torch.Tensor), nn.functional.linear(x, model.embed.weight,
+                                                                                  model.embed.bias))
+    assert other.shape == (2, 5, 3) and other.any()  # a new input shape: computed once
+    assert type(from_copy) is torch.Tensor and from_copy.any()  # a deep copy (an EMA teacher) computes, unmarked
+    assert model.embed(x).any()  # not watching: computes
+    copies.remove()
+    assert "forward" not in model.embed.__dict__ and not model.embed._forward_hooks
 
 
 class _Transport:

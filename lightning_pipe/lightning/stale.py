@@ -23,6 +23,11 @@ instead of computing with an old copy. Printing a marked value (``repr``, ``form
 Evaluation steps follow nothing: before the first evaluation step after an optimizer step, every
 copy the last stage does not train is refreshed (once per validation loop, not per step).
 
+What a watched module computes on the last stage after the first step can only feed the body, so
+a watched ``nn.Linear``, ``nn.Embedding``, ``nn.Conv*d`` or ``nn.LayerNorm`` (pure functions of
+input and parameters) without hooks of its own skips the computation there: zeros of the output's
+shape, after one real call per input shape (:func:`_skipping_forward`).
+
 A write of a marked value into an unmarked tensor (``buffer.copy_(h)``, ``x[:, :n] = h``) counts
 as a sink, since the tensor written may be a metric's state; in the first step that only costs
 the refresh.
@@ -31,12 +36,14 @@ the refresh.
 from __future__ import annotations
 
 import pickle
+import types
 from contextlib import contextmanager
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.errors import StaleValueError
@@ -114,6 +121,41 @@ def unmark(tree: Any, what: str) -> Any:
         return tree_map(lambda leaf: leaf.as_subclass(torch.Tensor) if isinstance(leaf, Stale) else leaf, tree)
 
 
+# Modules whose output is a function of their input and parameters alone (no buffers updated, no
+# randomness): a watched one's computation on the last stage can be skipped (see _skipping_forward).
+_PURE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm)
+
+
+def _skippable(module: nn.Module, handle: Any) -> bool:
+    return type(module) in _PURE and not module._modules and not module._forward_pre_hooks \
+        and list(module._forward_hooks) == [handle.id] and "forward" not in module.__dict__ \
+        and getattr(module, "max_norm", None) is None  # nn.Embedding(max_norm=...) renormalizes its weight in place
+
+
+def _skipping_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A watched module's forward on the last stage after the first step: a zero tensor of the output's shape.
+
+    What it computes there can only feed the body call, whose result the pipeline replaces: any other
+    use raises StaleValueError. So after one real call per input shape, the last stage skips the
+    computation (for the ViT patch embedding or projection before the body, a layer's worth of work
+    per microbatch). Bound per instance (``types.MethodType``), so that a deep copy of the module
+    binds it to the copy, which is not watched and runs its own forward.
+    """
+    watch, x = _WATCH, args[0] if len(args) == 1 and not kwargs else None
+    if watch is None or watch._skipped.get(id(self)) is not self or type(x) is not torch.Tensor \
+            or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return type(self).forward(self, *args, **kwargs)
+    key = (id(self), tuple(x.shape), x.dtype, x.device, torch.is_grad_enabled(), torch.is_autocast_enabled(x.device.type))
+    known = watch._shapes.get(key)
+    if known is None:
+        out = type(self).forward(self, x)
+        if type(out) is torch.Tensor and len(watch._shapes) < 256:
+            watch._shapes[key] = (out.shape, out.dtype, out.requires_grad)
+        return out
+    shape, dtype, requires_grad = known
+    return torch.zeros(shape, dtype=dtype, device=x.device).requires_grad_(requires_grad)
+
+
 class Stale(torch.Tensor):
     """A value the last stage computed from its copy of a module outside the body that it does not train.
 
@@ -176,8 +218,10 @@ class StaleCopies:
         self.version = 0  # optimizer steps so far
         self._synced_at = self._all_at = 0  # the version the synced copies, and all stale ones, were refreshed at
         self._watched = set(self.candidates) if watch else set()
-        self._handles = [self.module.get_submodule(path).register_forward_hook(self._hook(path))
-                         for path in sorted(self._watched)]
+        self._handles = {path: self.module.get_submodule(path).register_forward_hook(self._hook(path))
+                         for path in sorted(self._watched)}
+        self._skipped: Dict[int, nn.Module] = {}  # id -> the watched modules whose computation is skipped
+        self._shapes: Dict[tuple, tuple] = {}  # (module id, input, grad mode, autocast) -> output shape, dtype, grad
 
     @staticmethod
     def find_candidates(module: nn.Module, body_path: str) -> List[str]:
@@ -186,10 +230,10 @@ class StaleCopies:
                 if m is not module and any(p is not None for p in m._parameters.values())]
 
     def _hook(self, path: str) -> Any:
-        sources = frozenset({path})
+        sources, own = frozenset({path}), self.module.get_submodule(path)
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            if _WATCH is not self or path not in self._watched:
+            if _WATCH is not self or path not in self._watched or module is not own:  # not a deep copy's call
                 return None
             return mark(output, sources)
         return hook
@@ -213,8 +257,8 @@ class StaleCopies:
         late = sorted(p for p in sources if p in self._watched and self._trainable(p))
         if late:
             raise StaleValueError(
-                f"training_step computed a value from `self.{late[0]}` before the body call, and on the last stage it "
-                f"was {what}, a use the first training step did not make. The first stage trains `self.{late[0]}`; the "
+                f"on the last stage, training_step computed a value from `self.{late[0]}` and it was {what}, a use the "
+                f"first training step did not make. The first stage trains `self.{late[0]}`; the "
                 "last stage, which runs your step again whole, keeps its copy equal to the first stage's only for the "
                 "uses the first step showed, so this value would come from an old copy. Make the use happen in the "
                 "first step too (e.g. every step), or compute the value from the body's output instead"
@@ -239,8 +283,13 @@ class StaleCopies:
         self.synced = sorted(set(noted) & set(self.stale))
         self.learned = True
         self._watched = self._watched & set(self.stale) - set(self.synced)
-        if not self._watched:
-            self.remove()
+        for path in set(self._handles) - self._watched:  # a module with hooks takes nn.Module's slower call path
+            self._handles.pop(path).remove()
+        for path in sorted(self._watched):
+            m = self.module.get_submodule(path)
+            if _skippable(m, self._handles[path]):
+                m.forward = types.MethodType(_skipping_forward, m)
+                self._skipped[id(m)] = m
         return self.synced
 
     def stepped(self) -> None:
@@ -248,9 +297,11 @@ class StaleCopies:
         self.version += 1
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
-        self._handles, self._watched = [], set()
+        for m in self._skipped.values():
+            del m.forward
+        self._handles, self._watched, self._skipped = {}, set(), {}
 
     def _state(self, paths: Sequence[str]) -> Dict[str, torch.Tensor]:
         """What the first stage changes in those modules: trainable parameters, and buffers (running statistics

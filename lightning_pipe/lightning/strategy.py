@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
@@ -398,7 +398,9 @@ class PipeStrategy(DDPStrategy):
             self._refresh_stale_copies(training=True)
             posted = self._post_results()
             buffers = self._buffer_watch.before()
-            with self._recorder.recording(), release.calls_recorded() as self._called:
+            # the modules called are learned from the first step; a global hook would slow every later call
+            calls = release.calls_recorded() if self._ties is None else nullcontext(set())
+            with self._recorder.recording(), calls as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
                     criterion=self._runner.criterion if last and self.pp_size > 1 else None,  # one stage: FirstStage's loss
