@@ -212,9 +212,11 @@ def main(kind: str, root: str, out: str) -> None:
             super().__init__()
             torch.manual_seed(0)
             self.embed, self.shift, self.probe = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(4, 8)
+            self.keep = nn.Linear(4, 1)
             self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
             self.head = nn.Linear(8, 1)
             self.norms = torchmetrics.MeanMetric()
+            self.kept = []
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -224,14 +226,21 @@ def main(kind: str, root: str, out: str) -> None:
             self.norms.update(h.norm(dim=1))
             self.log("h_norm", self.norms, on_step=False, on_epoch=True)
             scale = h.detach().abs().mean()
+            k = self.keep(x)
+            self.kept.append(k.detach().mean())  # only here: one entry per microbatch, of equal sizes here
+            h = h + k
             loss = nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1), y)
             with torch.no_grad():
                 self.log("probe_mean", self.probe(x).mean())  # after the body, without a gradient
             return {"loss": loss, "scale": scale}
 
+        def on_train_epoch_end(self):
+            self.log("kept_mean", torch.stack(self.kept).mean())  # the last stage's list, handed to every stage
+            self.kept.clear()
+
         def validation_step(self, batch, batch_idx):
             x, y = batch
-            h = self.embed(x) + self.shift(x) + self.probe(x)
+            h = self.embed(x) + self.shift(x) + self.probe(x) + self.keep(x)
             self.log("val_h_mean", h.mean())  # `shift` logged in evaluation only
             self.log("val_loss", nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1), y))
 
@@ -273,7 +282,7 @@ def test_values_of_the_embedding_logged_and_returned_before_the_body_match_ddp(l
     got = lm_runs("world2")[0]["test_stale_copies_pipe"]
     assert want["steps"].shape == (8, 4)
     torch.testing.assert_close(got["steps"], want["steps"])
-    assert set(want["metrics"]) == {"h_mean", "h_norm", "probe_mean", "val_h_mean", "val_loss"}
+    assert set(want["metrics"]) == {"h_mean", "h_norm", "kept_mean", "probe_mean", "val_h_mean", "val_loss"}
     for key, value in want["metrics"].items():
         torch.testing.assert_close(got["metrics"][key], value, msg=lambda m: f"{key}: {m}")
     for key, value in want["state_dict"].items():

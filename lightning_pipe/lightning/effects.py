@@ -143,6 +143,15 @@ class StepEffects:
                 out.append(name)
         return out
 
+    def new_values(self, snapshot: Snapshot) -> Iterator[Tuple[str, Any]]:
+        """What the run stored in attributes: the entries appended to a list, else the attribute's new value."""
+        for name, value in user_attributes(self.module):
+            before = snapshot.attributes.get(name, _MISSING)
+            if before == _fingerprint(value):
+                continue
+            grew = isinstance(value, list) and isinstance(before, tuple) and before[:2] == (list, id(value))
+            yield name, value[before[2]:] if grew else value
+
     def shared_state(self) -> Dict[str, Any]:
         """The attributes the last stage's step built, to give to the other stages."""
         return {name: getattr(self.module, name) for name in sorted(self.built) if hasattr(self.module, name)}

@@ -7,7 +7,7 @@ copy gets no gradient and, from the second step on, is out of date. That is harm
 it computes only feeds the body call, whose result the pipeline replaces (a language model's
 embedding: the common case, which then costs nothing). Anything else such a value reaches would
 silently differ from what one process computes: a logged value, a metric's state, a number read
-into Python (``if h.isnan().any()``), the step's result.
+into Python (``if h.isnan().any()``), the step's result, a list the step appends it to.
 
 So in training steps the last stage *marks* the outputs of the modules outside the body
 (:class:`Stale`, a tensor subclass whose ``__torch_function__`` passes the mark on to
@@ -247,6 +247,10 @@ class StaleCopies:
             yield
         finally:
             _WATCH = outer
+
+    def active(self) -> bool:
+        """Whether this process is watching a step now."""
+        return _WATCH is self
 
     def note(self, sources: FrozenSet[str], what: str) -> None:
         """Marked values from ``sources`` reached a sink (``what``): noted before :meth:`learn`, refused after."""

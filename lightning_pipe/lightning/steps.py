@@ -77,6 +77,9 @@ class StepRunner:
         try:
             with watch:
                 output = unmark(getattr(self.module, self.hook)(batch, *self.hook_args), f"returned by {self.hook}")
+                if self.stale is not None and self.stale.active():  # kept for later (shared at the epoch's end)
+                    for name, value in self.effects.new_values(snapshot):
+                        unmark(value, f"kept in `self.{name}`")
         except BodyReached:
             self.stand_in.begin_step("local")
             self.recorder.discard_microbatch()  # the last stage logs; under ZB-V it is on this process too
