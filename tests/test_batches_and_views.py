@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.errors import BodyCallError, ConfigurationError
 from lightning_pipe.lightning.body import PipelinedSequential, present_whole_body
 from lightning_pipe.lightning.effects import BufferWatch
 from lightning_pipe.microbatch import scatter
@@ -92,14 +92,16 @@ def test_len_iteration_and_indexing_give_the_whole_body(stage):
     assert list(stand_in[1:3]) == [body[1], body[2]] and list(stand_in[1:3]._modules) == ["1", "2"]
     with pytest.raises(IndexError):
         stand_in[5]
-    local = ["0", "1"] if stage == 0 else ["2", "3", "4"]  # state, parameters and forward stay local
+    local = ["0", "1"] if stage == 0 else ["2", "3", "4"]  # state, parameters and what the pipeline runs stay local
     assert sorted({k.split(".")[0] for k in stand_in.state_dict()}) == local
     assert len(list(stand_in.parameters())) == 2 * len(local)
     x = torch.randn(3, 2)
     expected = x
     for name in local:
         expected = body._modules[name](expected)
-    torch.testing.assert_close(stand_in(x), expected)
+    torch.testing.assert_close(stand_in.chunk(0)(x), expected)
+    with pytest.raises(BodyCallError, match="outside the steps PipeStrategy pipelines"):
+        stand_in(x)  # outside a step: not only this stage's layers
 
 
 # -- buffers updated once per microbatch -------------------------------------------------------

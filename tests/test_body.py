@@ -210,8 +210,26 @@ def test_a_block_call_wrapped_in_torch_checkpoint_or_unpacked_is_refused(mode):
         torch.utils.checkpoint.checkpoint(layers[0], x, use_reentrant=False)
     with pytest.raises(BodyCallError, match="unpacked or iterated block 0"):
         attn, ff = layers[0]
-    layers.begin_step("local")
-    torch.utils.checkpoint.checkpoint(layers[0], x, use_reentrant=False)  # one process: torch's checkpoint as usual
+    whole, _ = stand_in(0, 4, num_stages=1)
+    torch.utils.checkpoint.checkpoint(whole[0], x, use_reentrant=False)  # one stage: torch's checkpoint as usual
+
+
+@pytest.mark.parametrize("kind", ["sequential", "layer_list"])
+def test_the_body_called_outside_the_pipelined_steps_is_refused_where_a_process_holds_part_of_it(kind):
+    """Regression: a callback calling the model in on_train_start ran this process's layers only, and printed a
+    different value on each rank (-0.177, -0.340; -0.255 under DDP)."""
+    if kind == "layer_list":
+        body, _ = stand_in(2, 4, stage_index=1)
+        whole, _ = stand_in(0, 4, num_stages=1)
+        call = lambda b: [block(torch.randn(3, 4), torch.tensor(1.0)) for block in b]  # noqa: E731
+    else:
+        layers = OrderedDict((str(i), nn.Linear(4, 4)) for i in range(4))
+        body = PipelinedSequential([OrderedDict(list(layers.items())[2:])], False, (1,), 2)
+        whole = PipelinedSequential([layers], False, (0,), 1)
+        call = lambda b: b(torch.randn(3, 4))  # noqa: E731
+    with pytest.raises(BodyCallError, match=r"outside the steps PipeStrategy pipelines .* holds only stage 1 of 2"):
+        call(body)
+    call(whole)  # one stage: the whole body runs
 
 
 @pytest.mark.parametrize("mode", ["stop", "replace"])
@@ -224,5 +242,5 @@ def test_calling_a_part_of_a_block_in_the_loop_is_refused_with_the_fix(mode):
     assert part.out_features == 4 and tuple(part.weight.shape) == (4, 4)  # reading the part is fine
     with pytest.raises(BodyCallError, match=r"the loop called `linear` of block 3 \(Linear\) directly; .* Call the block"):
         part(torch.randn(3, 4))
-    layers.begin_step("local")
-    layers[3].linear(torch.randn(3, 4))  # one process: the block's own module, as usual
+    whole, _ = stand_in(0, 4, num_stages=1)
+    whole[3].linear(torch.randn(3, 4))  # one stage: the block's own module, as usual

@@ -161,6 +161,18 @@ class StandIn:
                 "(Module.load_from_checkpoint) or train with gather_full_model=True"
             )
 
+    def refuse_if_partial(self) -> None:
+        """Outside the steps the pipeline runs ("local"), a process holding part of a split body cannot run it."""
+        if self.mode == "local" and self.num_stages > 1:
+            held = f"stage {self.stage_index}" if len(self.stages) == 1 else f"stages {list(self.stages)}"
+            raise BodyCallError(
+                f"the body was called outside the steps PipeStrategy pipelines (from a hook or a callback, e.g. "
+                f"on_train_start or on_validation_epoch_end); during fit this process holds only {held} of "
+                f"{self.num_stages}, so the call would run only those layers. Compute it in validation_step, test_step "
+                "or predict_step (pipelined), or after trainer.fit, which puts the whole model back on every process "
+                "(gather_full_model=True)"
+            )
+
     def run_checkpointed(self, function, *inputs):
         """``function(*inputs)`` under activation checkpointing when asked (first stage only)."""
         if not self.checkpoint_layers:
@@ -189,8 +201,9 @@ class PipelinedSequential(StandIn, nn.Sequential):
         nn.Sequential.__init__(self, OrderedDict((n, m) for part in layers for n, m in part.items()))
         self.init_stand_in(stages, num_stages)
         self.multi_value = multi_value
-        # not registered: the layers' names stay the body's own (a second path would add state-dict keys)
-        self.__dict__["chunks"] = [self] if len(layers) == 1 else [SequentialChunk(self, part) for part in layers]
+        # not registered: the layers' names stay the body's own (a second path would add state-dict keys). The
+        # pipeline calls the chunks, the user's code the stand-in: outside a step it refuses (refuse_if_partial)
+        self.__dict__["chunks"] = [SequentialChunk(self, part) for part in layers]
 
     # -- what the user's code sees: the whole body (see the module docstring) --------------------
     def _presented(self) -> List[nn.Module]:
@@ -238,10 +251,7 @@ class PipelinedSequential(StandIn, nn.Sequential):
         if self.mode == "replace":
             outputs = self.replacement
             return outputs[0] if len(outputs) == 1 else outputs
-        if self.mode == "local" and len(self.chunks) > 1:
-            raise ConfigurationError(  # internal: "local" runs only when one process holds the whole body
-                f"this process holds stages {list(self.stages)} of the body, not one contiguous part; it cannot run them "
-                "in one call")
+        self.refuse_if_partial()
         first = self.chunks[0]
         outputs = self.run_checkpointed(lambda *x: self.run_layers(*x, layers=first), *inputs)
         if self.mode == "stop":
@@ -262,7 +272,8 @@ def present_whole_body(stand_in: StandIn, body: nn.Module) -> None:
 
 
 class SequentialChunk(nn.Sequential):
-    """One stage of a rank holding several: that stage's layers of the stand-in, run by the pipeline.
+    """One stage of this rank: that stage's layers of the stand-in, as the pipeline runs them (the user's code
+    calls the stand-in, which runs them only inside a pipelined step).
 
     It registers the same layer objects as the stand-in, but it is no part of the LightningModule.
     """

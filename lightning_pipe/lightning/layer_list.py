@@ -249,6 +249,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         """One call of the user's loop."""
         self.refuse_if_released()
         if self.mode == "local":
+            self.refuse_if_partial()
             return self.blocks[index](*args, **kwargs)
         if not args or not isinstance(args[0], torch.Tensor):
             raise BodyCallError(
