@@ -168,6 +168,7 @@ def test_refresh_sends_what_the_step_needs_once_per_optimizer_step():
     first.extra, last.extra = nn.Linear(3, 3), nn.Linear(3, 3)
     first.embed.register_buffer("running", torch.ones(3))
     last.embed.register_buffer("running", torch.zeros(3))
+    first.offset, last.offset = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))  # the module's own
     with torch.no_grad():
         for p in first.parameters():
             p.add_(1.0)  # the first stage trained its copies
@@ -178,8 +179,8 @@ def test_refresh_sends_what_the_step_needs_once_per_optimizer_step():
             copies.refresh(_Transport(rank, queue), 0, 1, training)
 
     for copies in ranks:
-        assert copies.learn(["embed", "pos", "head"], fresh={"head"}) == ["embed", "pos"]
-        assert copies.stale == ["embed", "extra", "pos"]
+        assert copies.learn(["embed", "pos", "head"], fresh={"head"}) == ["", "embed", "pos"]
+        assert copies.stale == ["", "embed", "extra", "pos"]
     refresh(training=True)  # no optimizer step yet: nothing sent
     assert queue == [] and not torch.equal(last.embed.weight, first.embed.weight)
     for copies in ranks:
@@ -187,6 +188,7 @@ def test_refresh_sends_what_the_step_needs_once_per_optimizer_step():
     refresh(training=True)
     torch.testing.assert_close(last.embed.weight, first.embed.weight)
     torch.testing.assert_close(last.embed.running, first.embed.running)  # buffers too (running statistics)
+    torch.testing.assert_close(last.offset, first.offset)  # read as an attribute: always kept in sync
     assert not torch.equal(last.pos.weight, first.pos.weight)  # frozen: not sent
     assert not torch.equal(last.extra.weight, first.extra.weight)  # not used beyond the body in training
     assert not torch.equal(last.head.weight, first.head.weight)  # trained on the last stage: its own
@@ -213,6 +215,7 @@ def main(kind: str, root: str, out: str) -> None:
             torch.manual_seed(0)
             self.embed, self.shift, self.probe = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(4, 8)
             self.keep = nn.Linear(4, 1)
+            self.offset = nn.Parameter(torch.zeros(8))  # the LightningModule's own, used before the body
             self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
             self.head = nn.Linear(8, 1)
             self.norms = torchmetrics.MeanMetric()
@@ -220,7 +223,7 @@ def main(kind: str, root: str, out: str) -> None:
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            h = self.embed(x)
+            h = self.embed(x) + self.offset
             self.log("h_mean", h.mean())  # before the body, from the embedding the first stage trains
             h = h + self.shift(x) + self.probe(x)  # `shift` only feeds the body in training
             self.norms.update(h.norm(dim=1))
@@ -240,7 +243,7 @@ def main(kind: str, root: str, out: str) -> None:
 
         def validation_step(self, batch, batch_idx):
             x, y = batch
-            h = self.embed(x) + self.shift(x) + self.probe(x) + self.keep(x)
+            h = self.embed(x) + self.offset + self.shift(x) + self.probe(x) + self.keep(x)
             self.log("val_h_mean", h.mean())  # `shift` logged in evaluation only
             self.log("val_loss", nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1), y))
 

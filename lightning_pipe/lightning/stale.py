@@ -283,8 +283,14 @@ class StaleCopies:
         Returns:
             The paths kept in sync (sorted).
         """
-        self.stale = sorted(set(self.candidates) - fresh)
-        self.synced = sorted(set(noted) & set(self.stale))
+        stale = set(self.candidates) - fresh
+        self.synced = sorted(set(noted) & stale)
+        if "" not in fresh and any(p is not None for p in self.module._parameters.values()):
+            # parameters of the LightningModule itself (a ViT's pos_embed) are read as attributes, through no call
+            # a hook could follow: kept in sync whenever the first stage trains one
+            stale.add("")
+            self.synced = sorted(set(self.synced) | {""})
+        self.stale = sorted(stale)
         self.learned = True
         self._watched = self._watched & set(self.stale) - set(self.synced)
         for path in set(self._handles) - self._watched:  # a module with hooks takes nn.Module's slower call path
@@ -314,7 +320,8 @@ class StaleCopies:
         for path in paths:
             m = self.module.get_submodule(path)
             state.update({f"{path}.{n}": p.detach() for n, p in m._parameters.items() if p is not None and p.requires_grad})
-            state.update({f"{path}.{n}": b for n, b in m._buffers.items() if b is not None})
+            if path:  # the LightningModule's own buffers cannot change in a step (SideEffectError)
+                state.update({f"{path}.{n}": b for n, b in m._buffers.items() if b is not None})
         return state
 
     def refresh(self, transport: Any, first: int, last: int, training: bool) -> None:

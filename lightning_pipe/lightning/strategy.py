@@ -468,8 +468,9 @@ class PipeStrategy(DDPStrategy):
             tied_names = {name for tie in self._ties.ties for name in tie.names}
             synced = self._stale.learn(per_stage[split.last_rank][2], split.fresh_on_last(tied_names))
             if synced:
-                rank_zero_info(f"PipeStrategy: the code before the body uses values of {synced} beyond the body's "
-                               "input on the last stage; its copies there are refreshed from the first stage every step")
+                names = [path or "the LightningModule's own parameters" for path in synced]
+                rank_zero_info(f"PipeStrategy: the last stage uses values of {names} beyond the body's input; its "
+                               "copies there are refreshed from the first stage every step")
         split.release_unused(self._called, self._bare_optimizers())
 
     def _start_overlap(self, normalizer: float) -> None:
