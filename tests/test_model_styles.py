@@ -33,7 +33,8 @@ def assert_same_training(got, want, rtol=None, atol=None, flips=None):
         if flips is not None and value.is_floating_point():
             far = ~torch.isclose(got["state_dict"][key], value, rtol=rtol, atol=atol)
             worst = (got["state_dict"][key] - value).abs().max().item()
-            assert far.float().mean() <= 0.01 and worst <= flips, f"{key}: {int(far.sum())} of {far.numel()} differ, by up to {worst}"
+            assert far.float().mean() <= 0.01 and worst <= flips, \
+                f"{key}: {int(far.sum())} of {far.numel()} differ, by up to {worst}"
             continue
         torch.testing.assert_close(got["state_dict"][key], value, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
     assert len(got["csv"]) == len(want["csv"])

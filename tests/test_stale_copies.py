@@ -107,7 +107,8 @@ def test_after_the_first_step_noted_copies_are_synced_and_a_late_use_of_another_
         model.pos(torch.ones(2, 3)).sum().item()  # frozen: its copy cannot be out of date
         h = model.extra(torch.ones(2, 3))
         h = h * 2  # feeding the body: fine
-        with pytest.raises(StaleValueError, match=r"`self\.extra` and it was read into Python \(item\), a use the first training step did not make"):
+        late = r"`self\.extra` and it was read into Python \(item\), a use the first training step did not make"
+        with pytest.raises(StaleValueError, match=late):
             h.sum().item()
 
 

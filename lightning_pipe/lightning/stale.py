@@ -14,10 +14,10 @@ So in training steps the last stage *marks* the outputs of the modules outside t
 whatever is computed from them; torch has no other way to follow a value through arbitrary user
 code, and operations on unmarked tensors pay nothing); a call after the body (a module under
 ``torch.no_grad()`` in the loss) is followed too. A marked value reaching one of those *sinks*
-notes its module. In the first training step every copy still equals the first stage's,
-so noting is all: after it (:meth:`StaleCopies.learn`), each noted module the last stage does not
-train (whose gradients it neither computes nor gets summed in) is kept equal to the first stage's copy, sent before every training step that follows an
-optimizer step (:meth:`StaleCopies.refresh`). A module whose marked values first reach a sink
+notes its module. In the first training step every copy still equals the first stage's, so
+noting is all: after it (:meth:`StaleCopies.learn`), each noted module the last stage does not
+train (whose gradients it neither computes nor gets summed in) is kept equal to the first stage's
+copy, sent before every training step that follows an optimizer step (:meth:`StaleCopies.refresh`). A module whose marked values first reach a sink
 later (code under ``if batch_idx % 100 == 50``) raises :class:`~lightning_pipe.errors.StaleValueError`
 instead of computing with an old copy. Printing a marked value (``repr``, ``format``) is not a sink.
 Evaluation steps follow nothing: before the first evaluation step after an optimizer step, every
