@@ -98,8 +98,7 @@ class StepEffects:
 
     def after(self, hook: str, snapshot: Snapshot, last_stage: bool) -> None:
         """Note what the run changed; refuse or warn about side effects (first run of ``hook`` only)."""
-        changed = [name for name, value in user_attributes(self.module)
-                   if snapshot.attributes.get(name, _MISSING) != _fingerprint(value)]
+        changed = [name for name, _, _ in self._changes(snapshot)]
         if last_stage:
             self.built.update(changed)
         if snapshot.versions is None:
@@ -134,23 +133,23 @@ class StepEffects:
                 "that adds the batch size still sums to it). Count in on_train_batch_end to count batches"
             )
 
-    def grown(self, snapshot: Snapshot) -> List[str]:
-        """The attributes whose own object the run changed in place (a list appended to, a tensor written)."""
-        out = []
+    def _changes(self, snapshot: Snapshot) -> Iterator[Tuple[str, Any, Any]]:
+        """``(name, value, before)`` per attribute the run changed; ``before`` is the object's fingerprint before
+        the run where the run changed the same object in place (a list appended to, a tensor written), else None."""
         for name, value in user_attributes(self.module):
             before, now = snapshot.attributes.get(name, _MISSING), _fingerprint(value)
-            if isinstance(before, tuple) and isinstance(now, tuple) and before[:2] == now[:2] and before != now:
-                out.append(name)
-        return out
+            if before != now:
+                in_place = isinstance(before, tuple) and isinstance(now, tuple) and before[:2] == now[:2]
+                yield name, value, before if in_place else None
+
+    def grown(self, snapshot: Snapshot) -> List[str]:
+        """The attributes whose own object the run changed in place (a list appended to, a tensor written)."""
+        return [name for name, _, before in self._changes(snapshot) if before is not None]
 
     def new_values(self, snapshot: Snapshot) -> Iterator[Tuple[str, Any]]:
         """What the run stored in attributes: the entries appended to a list, else the attribute's new value."""
-        for name, value in user_attributes(self.module):
-            before = snapshot.attributes.get(name, _MISSING)
-            if before == _fingerprint(value):
-                continue
-            grew = isinstance(value, list) and isinstance(before, tuple) and before[:2] == (list, id(value))
-            yield name, value[before[2]:] if grew else value
+        for name, value, before in self._changes(snapshot):
+            yield name, value[before[2]:] if before is not None and type(value) is list else value
 
     def shared_state(self) -> Dict[str, Any]:
         """The attributes the last stage's step built, to give to the other stages."""
