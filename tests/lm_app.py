@@ -609,6 +609,13 @@ def main() -> None:
     if _global_rank() == 0 and results and all(results.values()):
         torch.save(results, args.out)
     end_process_groups()  # Lightning leaves DDP's groups to the interpreter's finalization, where gloo can abort
+    # Every result is saved. This process ran many fits, each PipeStrategy with the subgroups of its own DeviceMesh,
+    # which stay referenced, so destroying the groups cannot join their gloo worker threads, and the interpreter's
+    # finalization still aborted once ("terminate called without an active exception", rank 1 of the world2 launch,
+    # once in seven suites on 2026-12-01). Skip finalization here; the exit path itself is tested in test_scaling.py.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
