@@ -78,6 +78,29 @@ def test_a_released_module_refuses_to_run_with_a_named_error_and_an_owned_one_is
     last.aux(torch.zeros(1, 8))
 
 
+def test_a_module_whose_parameter_or_buffer_is_read_without_a_call_counts_as_used():
+    """Regression: `self.pos.weight[:n]` (frozen) and a buffer read as an attribute were not calls, so the module
+    was released after the first step and the second stopped on torch's error about meta tensors."""
+    from lightning_pipe.lightning.release import reads_recorded, uses_recorded
+
+    net = Net()
+    net.pos = nn.Embedding(6, 8).requires_grad_(False)
+    net.stats = nn.Module()
+    net.stats.register_buffer("center", torch.zeros(8))
+    with uses_recorded(net, "body") as used:
+        with reads_recorded():  # around the user's step
+            h = net.embed(torch.zeros(2, 4)) + net.pos.weight[:2]
+            h = torch.cat([h, net.stats.center[None]])  # inside a list
+            net.body(h)
+        _ = [p.sum() for p in net.parameters()]  # the machinery around the step: not uses
+    assert used >= {id(net.embed), id(net.pos), id(net.stats)} and not used & {id(net.head), id(net.aux)}
+    assert id(net.body) in used  # calls of any module are recorded, as before
+    split = _split(0, net)
+    split.learn_usage([[], []], [["embed", "pos", "stats"], []])
+    split.release_unused(used, [])
+    assert not net.pos.weight.is_meta and not net.stats.center.is_meta and net.head.weight.is_meta
+
+
 def test_a_gradient_on_a_stage_the_first_step_did_not_learn_is_refused():
     """A module called on both stages, frozen at the first step (owned by the first stage), then unfrozen:
     a gradient on the last stage would be neither summed with the first stage's nor saved."""

@@ -94,6 +94,30 @@ def test_marked_values_keep_their_graph_and_unmark_gives_plain_tensors():
     torch.testing.assert_close(model.embed.weight.grad, expected)
 
 
+def test_parameters_read_as_attributes_are_marked_and_keep_their_gradients():
+    """Regression: `x @ self.embed.weight.T` passes through no module call, so its value reached a log unnoticed."""
+    model = _model()
+    copies = _copies(model)
+    weight = model.embed.weight
+    with copies.watching():
+        assert isinstance(model.embed.weight, Stale) and model.embed.weight._sources == {"embed"}
+        h = torch.ones(2, 3) @ model.embed.weight.T + model.pos.bias[:3]
+        assert isinstance(h, Stale) and h._sources == {"embed", "pos"}
+        loss = unmark(h.pow(2).sum(), "returned by training_step")
+    assert model.embed.weight is weight and type(weight) is nn.Parameter  # the parameter is back after the step
+    assert copies.noted == {"embed": "returned by training_step", "pos": "returned by training_step"}
+    loss.backward()
+    torch.testing.assert_close(weight.grad, 2 * (torch.ones(2, 3) @ weight.T + model.pos.bias).T @ torch.ones(2, 3))
+    copies.learn(sorted(copies.noted), fresh={"head"})
+    model.extra = nn.Linear(3, 3)
+    copies = _copies(model)
+    copies.learn([], fresh={"head"})
+    with copies.watching():
+        with pytest.raises(StaleValueError, match=r"`self\.extra` and it was read into Python"):
+            model.extra.weight.sum().item()
+    assert type(model.extra.weight) is nn.Parameter
+
+
 # -- after the first step ---------------------------------------------------------------------------
 def test_after_the_first_step_noted_copies_are_synced_and_a_late_use_of_another_is_refused():
     model = _model()
@@ -216,6 +240,10 @@ def main(kind: str, root: str, out: str) -> None:
             torch.manual_seed(0)
             self.embed, self.shift, self.probe = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(4, 8)
             self.keep = nn.Linear(4, 1)
+            self.direct = nn.Linear(4, 8)  # its weight is read as an attribute, through no call
+            self.table = nn.Embedding(5, 8).requires_grad_(False)  # read as an attribute too, frozen
+            self.stats = nn.Module()
+            self.stats.register_buffer("center", torch.linspace(-1, 1, 8))  # a buffer read as an attribute
             self.offset = nn.Parameter(torch.zeros(8))  # the LightningModule's own, used before the body
             self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
             self.head = nn.Linear(8, 1)
@@ -226,7 +254,10 @@ def main(kind: str, root: str, out: str) -> None:
             x, y = batch
             h = self.embed(x) + self.offset
             self.log("h_mean", h.mean())  # before the body, from the embedding the first stage trains
-            h = h + self.shift(x) + self.probe(x)  # `shift` only feeds the body in training
+            d = x @ self.direct.weight.T + self.direct.bias
+            self.log("direct_mean", d.mean())
+            h = h + d + self.shift(x) + self.probe(x)  # `shift` only feeds the body in training
+            h = h + self.table.weight.mean(0) - self.stats.center
             self.norms.update(h.norm(dim=1))
             self.log("h_norm", self.norms, on_step=False, on_epoch=True)
             scale = h.detach().abs().mean()
@@ -258,7 +289,8 @@ def main(kind: str, root: str, out: str) -> None:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             metrics = trainer.callback_metrics
             self.steps.append(torch.stack([outputs["loss"].detach().cpu(), outputs["scale"].cpu(),
-                                           metrics["h_mean"].cpu(), metrics["probe_mean"].cpu()]))
+                                           metrics["h_mean"].cpu(), metrics["probe_mean"].cpu(),
+                                           metrics["direct_mean"].cpu()]))
 
     pl.seed_everything(0)
     g = torch.Generator().manual_seed(1)
@@ -281,12 +313,15 @@ def main(kind: str, root: str, out: str) -> None:
 
 def test_values_of_the_embedding_logged_and_returned_before_the_body_match_ddp(lm_runs):
     """Regression: from the second step on the last stage logged `h_mean` computed with its own, untrained copy
-    of `embed` (0.0249 against DDP's 0.0242 at step 2); losses and weights matched, the logs did not."""
+    of `embed` (0.0249 against DDP's 0.0242 at step 2); losses and weights matched, the logs did not. The same for
+    `direct_mean`, computed from a weight read as an attribute. And a frozen weight and a buffer read as
+    attributes (no module called) were released after the first step: the second step stopped on meta tensors."""
     want = lm_runs("reference")[0]["test_stale_copies_ddp"]
     got = lm_runs("world2")[0]["test_stale_copies_pipe"]
-    assert want["steps"].shape == (8, 4)
+    assert want["steps"].shape == (8, 5)
     torch.testing.assert_close(got["steps"], want["steps"])
-    assert set(want["metrics"]) == {"h_mean", "h_norm", "kept_mean", "probe_mean", "val_h_mean", "val_loss"}
+    assert set(want["metrics"]) == {"h_mean", "h_norm", "kept_mean", "probe_mean", "direct_mean", "val_h_mean",
+                                    "val_loss"}
     for key, value in want["metrics"].items():
         torch.testing.assert_close(got["metrics"][key], value, msg=lambda m: f"{key}: {m}")
     for key, value in want["state_dict"].items():

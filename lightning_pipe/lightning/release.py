@@ -9,9 +9,9 @@ released:
 - at setup, every body layer of another stage, on every rank; and on the stages between the first
   and the last, which run no code of the user's step, every module outside the body;
 - after the first training step, on the first and the last stage, the modules outside the body
-  that the step did not call there and that got no gradient there (the first stage, for instance,
-  never runs the head after the body). A module whose weights the step reads without calling it
-  counts as used only through its gradient. The stage that owns a module's parameters (see
+  that the step did not use there (call, or read a parameter or buffer of, as in
+  ``self.pos.weight[:n]``) and that got no gradient there (the first stage, for instance, never
+  runs the head after the body). The stage that owns a module's parameters (see
   :meth:`.split.SplitModel.learn_usage`) always keeps it, so that checkpoints hold its weights.
 
 A module released after the first step refuses to run (:func:`refuse_calls`): calling it later
@@ -21,11 +21,12 @@ A module released after the first step refuses to run (:func:`refuse_calls`): ca
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Dict, Iterable, Iterator, List, Sequence, Set, Tuple
+from contextlib import contextmanager, nullcontext
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_pipe.errors import ConfigurationError
 
@@ -122,15 +123,54 @@ def refuse_calls(module: nn.Module, path: str, where: str) -> object:
     return module.register_forward_pre_hook(refuse)
 
 
+class _Reads(TorchFunctionMode):
+    """Notes the owners of the tensors a torch function takes (``owners``: tensor id -> module id).
+
+    A parameter or buffer read as an attribute (``self.pos.weight[:n]``, ``x @ self.proj.weight``)
+    passes through no module call; only a torch function mode sees it. Arguments are looked at one
+    list deep, as torch functions take tensors (``torch.cat([h, self.cls.weight])``).
+    """
+
+    def __init__(self, owners: Dict[int, int], used: Set[int]) -> None:
+        super().__init__()
+        self.owners, self.used = owners, used
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        for arg in (*args, *kwargs.values()):
+            for leaf in arg if isinstance(arg, (list, tuple)) else (arg,):
+                owner = self.owners.get(id(leaf))
+                if owner is not None:
+                    self.used.add(owner)
+        return func(*args, **kwargs)
+
+
+_READS: Optional[_Reads] = None  # set while uses_recorded records: the mode reads_recorded enters
+
+
 @contextmanager
-def calls_recorded() -> Iterator[Set[int]]:
-    """Collect the ids of the modules whose forward runs inside the block."""
-    called: Set[int] = set()
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: called.add(id(m)))
+def uses_recorded(module: nn.Module, body_path: str) -> Iterator[Set[int]]:
+    """Collect the ids of the modules called inside the block, and of the modules outside the body whose own
+    parameters or buffers the user's code inside :func:`reads_recorded` reads (the module itself is not called).
+
+    Reads count only there: the machinery around the user's step reads every parameter (snapshots, gradients).
+    """
+    global _READS
+    used: Set[int] = set()
+    owners = {id(t): id(m) for _, m in named_outside_body(module, body_path)
+              for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None}
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: used.add(id(m)))
+    outer, _READS = _READS, _Reads(owners, used)
     try:
-        yield called
+        yield used
     finally:
         handle.remove()
+        _READS = outer
+
+
+def reads_recorded() -> Any:
+    """Around the user's own code: record the reads :func:`uses_recorded` collects (a no-op when it does not)."""
+    return _READS if _READS is not None else nullcontext()
 
 
 def unrelease(module: nn.Module, device: torch.device) -> None:

@@ -9,7 +9,7 @@ embedding: the common case, which then costs nothing). Anything else such a valu
 silently differ from what one process computes: a logged value, a metric's state, a number read
 into Python (``if h.isnan().any()``), the step's result, a list the step appends it to.
 
-So in training steps the last stage *marks* the outputs of the modules outside the body
+So in training steps the last stage *marks* the outputs and parameters of the modules outside the body
 (:class:`Stale`, a tensor subclass whose ``__torch_function__`` passes the mark on to
 whatever is computed from them; torch has no other way to follow a value through arbitrary user
 code, and operations on unmarked tensors pay nothing); a call after the body (a module under
@@ -149,7 +149,7 @@ def _skipping_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     known = watch._shapes.get(key)
     if known is None:
         out = type(self).forward(self, x)
-        if type(out) is torch.Tensor and len(watch._shapes) < 256:
+        if type(out) in (torch.Tensor, Stale) and len(watch._shapes) < 256:  # Stale: from the marked parameters
             watch._shapes[key] = (out.shape, out.dtype, out.requires_grad)
         return out
     shape, dtype, requires_grad = known
@@ -184,6 +184,8 @@ class Stale(torch.Tensor):
         if watch is None:  # a marked value kept past the step: it stops spreading
             return out
         sources = sources_of((args, kwargs))
+        if not watch.learned:  # a parameter read as an attribute is a use of its module (see release.uses_recorded)
+            watch.read |= sources
         target = _written(func, name, args, kwargs)
         if target is not None and not isinstance(target, Stale):
             watch.note(sources, f"written into a tensor ({name})")
@@ -212,6 +214,7 @@ class StaleCopies:
         self.module = module
         self.candidates = self.find_candidates(module, body_path)
         self.noted: Dict[str, str] = {}  # module path -> the first sink its marked values reached
+        self.read: Set[str] = set()  # the modules whose marked values the first step computed with
         self.learned = False
         self.stale: List[str] = []  # the candidates the last stage does not train (learned)
         self.synced: List[str] = []  # those refreshed before every training step
@@ -240,13 +243,31 @@ class StaleCopies:
 
     @contextmanager
     def watching(self) -> Iterator[None]:
-        """Mark and follow the watched modules' outputs while the last stage runs the user's step."""
+        """Mark and follow the watched modules' outputs and parameters while the last stage runs the user's step.
+
+        A parameter read as an attribute (``x @ self.proj.weight``, ``self.pos.weight[:n]``) passes through no
+        call a hook sees, so for the step each watched module holds marked aliases of its parameters instead
+        (same data, and the same autograd graph: gradients still reach the parameters).
+        """
         global _WATCH
         outer, _WATCH = _WATCH, self if self._watched else None
+        swapped = self._alias_parameters() if _WATCH is self else []
         try:
             yield
         finally:
+            for params, name, param in swapped:
+                params[name] = param
             _WATCH = outer
+
+    def _alias_parameters(self) -> List[tuple]:
+        swapped = []
+        for path in sorted(self._watched):
+            params = self.module.get_submodule(path)._parameters
+            for name, param in list(params.items()):
+                if param is not None:
+                    swapped.append((params, name, param))
+                    params[name] = mark(param, frozenset({path}))
+        return swapped
 
     def active(self) -> bool:
         """Whether this process is watching a step now."""

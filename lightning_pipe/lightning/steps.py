@@ -22,6 +22,7 @@ from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
 from lightning_pipe.lightning.losses import LossAccount, loss_of, merge
+from lightning_pipe.lightning import release
 from lightning_pipe.lightning.stale import StaleCopies, unmark
 from lightning_pipe.microbatch import scatter
 
@@ -76,7 +77,9 @@ class StepRunner:
             else nullcontext()  # evaluation steps get every copy refreshed instead (see .stale)
         try:
             with watch:
-                output = unmark(getattr(self.module, self.hook)(batch, *self.hook_args), f"returned by {self.hook}")
+                with release.reads_recorded():
+                    output = getattr(self.module, self.hook)(batch, *self.hook_args)
+                output = unmark(output, f"returned by {self.hook}")
                 if self.stale is not None and self.stale.active():  # kept for later (shared at the epoch's end)
                     for name, value in self.effects.new_values(snapshot):
                         unmark(value, f"kept in `self.{name}`")

@@ -398,8 +398,8 @@ class PipeStrategy(DDPStrategy):
             self._refresh_stale_copies(training=True)
             posted = self._post_results()
             buffers = self._buffer_watch.before()
-            # the modules called are learned from the first step; a global hook would slow every later call
-            calls = release.calls_recorded() if self._ties is None else nullcontext(set())
+            # the modules used are learned from the first step; a global hook or mode would slow every later call
+            calls = release.uses_recorded(module, self.split.path) if self._ties is None else nullcontext(set())
             with self._recorder.recording(), calls as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
@@ -457,6 +457,8 @@ class PipeStrategy(DDPStrategy):
         split, module = self.split, self.lightning_module
         used = [split.canonical(n) for n, p in module.named_parameters() if split.layer_of(n) is None and p.grad is not None]
         noted = sorted(self._stale.noted) if self._stale is not None else []
+        if self._stale is not None:  # its parameters are marked aliases there: the reads release.uses_recorded misses
+            self._called |= {id(module.get_submodule(path)) for path in self._stale.read}
         per_stage: List[Any] = [None] * self.pp_size
         dist.all_gather_object(per_stage, (used, split.called_names(self._called), noted), group=self.pp_group)
         shared = split.learn_usage([u for u, _, _ in per_stage], [c for _, c, _ in per_stage])
