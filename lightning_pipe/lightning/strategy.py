@@ -318,17 +318,25 @@ class PipeStrategy(DDPStrategy):
 
     def _refuse_unsupported_callbacks(self, trainer: Any) -> None:
         """Callbacks that cannot run on a split module: refused on every rank, before any collective."""
-        from lightning.pytorch.callbacks import StochasticWeightAveraging
+        from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 
         if self.pp_size == 1:
             return
+        averaging = ("it copies the whole LightningModule and averages every parameter in one process, while each "
+                     "pipeline stage holds only its own layers (the others are meta tensors). Remove the callback, or "
+                     "average the weights after fit (the whole model is gathered back into the module)")
+        reasons = {  # WeightAveraging is EMAWeightAveraging's base
+            StochasticWeightAveraging: averaging, WeightAveraging: averaging,
+            ModelPruning: "it prunes every layer from one process (a global threshold over all parameters, masks that "
+                          "rename each pruned parameter to `<name>_orig`), while each pipeline stage holds only its own "
+                          "layers (the others are meta tensors). Remove the callback, or prune after fit (the whole "
+                          "model is gathered back into the module)",
+        }
         for callback in trainer.callbacks:
-            if isinstance(callback, StochasticWeightAveraging):
-                raise ConfigurationError(
-                    f"PipeStrategy does not support the {type(callback).__name__} callback: it copies the whole "
-                    "LightningModule and averages every parameter in one process, while each pipeline stage holds only "
-                    "its own layers (the others are meta tensors). Remove the callback, or average the weights after "
-                    "fit (the whole model is gathered back into the module), or train with pipe_size=1")
+            for kind, reason in reasons.items():
+                if isinstance(callback, kind):
+                    raise ConfigurationError(f"PipeStrategy does not support the {type(callback).__name__} callback: "
+                                             f"{reason}, or train with pipe_size=1")
 
     def _refuse_unsupported_optimizers(self) -> None:
         """Optimizers whose step needs the whole model in one process (every rank builds the same ones, and
