@@ -45,6 +45,27 @@ def test_find_body_lists_the_candidates_when_ambiguous():
     assert find_body(TwoBodies(), "decoder")[0] == "decoder"
 
 
+def test_a_body_compiled_whole_is_refused_and_compiled_blocks_are_taken():
+    """Regression: `self.blocks = torch.compile(self.blocks)` stopped the first step with 'Tensor device mismatch'
+    (its graph spans every layer, most of them meta on a stage), and a LightningModule given to fit compiled with
+    a recursion error inside dynamo."""
+    model = OneBody()
+    model.blocks = torch.compile(model.blocks)
+    with pytest.raises(ConfigurationError, match=r"`self\.blocks` is torch\.compile'd whole: .* Compile the blocks "
+                                                 r"instead, each on its own"):
+        find_body(model)
+    with pytest.raises(ConfigurationError, match=r"`self\.blocks` is torch\.compile'd whole"):
+        find_body(model, "blocks._orig_mod")
+    model = OneBody()
+    model._compiler_ctx = {"compiler": "dynamo"}  # what Lightning keeps of `trainer.fit(torch.compile(model))`
+    with pytest.raises(ConfigurationError, match=r"OneBody was given to the Trainer torch\.compile'd whole"):
+        find_body(model)
+    model = OneBody()
+    model.blocks = nn.Sequential(*[torch.compile(block) for block in model.blocks])
+    model.blocks[1].compile()
+    assert find_body(model)[0] == "blocks"  # blocks compiled one by one: each stage runs its own
+
+
 class LayerListModel(pl.LightningModule):
     """Blocks in a ModuleList (the body), plus a small nn.Sequential head: the list holds most parameters."""
 

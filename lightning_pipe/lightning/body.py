@@ -49,8 +49,31 @@ def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Mo
     candidate. With several, the one holding more than half of the module's parameters is the body.
 
     Raises:
-        ConfigurationError: the named body is not a Sequential/ModuleList, or no single candidate.
+        ConfigurationError: the named body is not a Sequential/ModuleList, or no single candidate, or the
+            body is compiled as a whole.
     """
+    path, found = _locate(module, body)
+    _refuse_compiled(module, path)
+    return path, found
+
+
+def _refuse_compiled(module: nn.Module, path: str) -> None:
+    """A body compiled whole (or a LightningModule given to ``fit`` compiled, whose forward then calls it) runs
+    torch.compile's graph of every layer, which no stage holds: refused, with the per-block compile that works."""
+    parent_path, _, name = path.rpartition(".")
+    parent = module.get_submodule(parent_path) if parent_path else module
+    compiled = name == "_orig_mod" and type(parent).__name__ == "OptimizedModule"  # torch._dynamo's, not imported
+    if compiled or getattr(module, "_compiler_ctx", None):
+        where = f"`self.{parent_path}` is torch.compile'd whole" if compiled else \
+            f"{type(module).__name__} was given to the Trainer torch.compile'd whole"
+        raise ConfigurationError(
+            f"{where}: its compiled graph spans every layer of the body, while under PipeStrategy each stage holds "
+            "only its own layers. Compile the blocks instead, each on its own (`for block in self.blocks: "
+            "block.compile()`, or `nn.Sequential(*[torch.compile(b) for b in blocks])`), and pass the module "
+            "to the Trainer uncompiled")
+
+
+def _locate(module: nn.Module, body: Optional[str]) -> Tuple[str, nn.Module]:
     if body is not None:
         try:
             found = module.get_submodule(body)
