@@ -10,7 +10,7 @@ Its ``main`` (``kind`` "pipe" or "ddp") runs in the shared launches of ``tests/l
   at epoch 1 (the head is released, meta, on the first stage by then);
 - the checkpoint saved after that epoch holds both param groups and resumes to DDP's weights.
 
-LBFGS, weight averaging and pruning callbacks are refused at setup without a launch.
+LBFGS, weight averaging, pruning and tuning callbacks are refused at setup without a launch.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import (  # noqa: E402
-    BaseFinetuning, EMAWeightAveraging, ModelCheckpoint, ModelPruning, StochasticWeightAveraging)
+    BaseFinetuning, EMAWeightAveraging, LearningRateFinder, ModelCheckpoint, ModelPruning, StochasticWeightAveraging)
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from lightning_pipe import ConfigurationError, PipeStrategy  # noqa: E402
@@ -219,13 +219,16 @@ def test_lbfgs_is_refused_right_after_the_optimizer_is_built(rank):
     # regression: these stopped the first step with torch's errors about meta tensors
     (lambda: EMAWeightAveraging(decay=0.5), "EMAWeightAveraging"),
     (lambda: ModelPruning("l1_unstructured", amount=0.3), "ModelPruning"),
+    # regression: Tuner(trainer).lr_find stopped on meta tensors restoring its checkpoint
+    (lambda: LearningRateFinder(num_training_steps=5), "LearningRateFinder"),
 ])
 def test_callbacks_that_need_the_whole_model_in_one_process_are_refused_at_setup_before_any_collective(
         rank, callback, name):
     strategy = _strategy(rank)
     with mock.patch("torch.distributed.all_gather_object", side_effect=AssertionError("a collective")), \
             mock.patch("torch.distributed.broadcast", side_effect=AssertionError("a collective")):
-        with pytest.raises(ConfigurationError, match=rf"does not support the {name} callback: it .* after fit"):
+        with pytest.raises(ConfigurationError,
+                           match=rf"does not support the {name} callback: it .* or train with pipe_size=1$"):
             _setup(strategy, Model(), [callback()])
 
 

@@ -318,7 +318,8 @@ class PipeStrategy(DDPStrategy):
 
     def _refuse_unsupported_callbacks(self, trainer: Any) -> None:
         """Callbacks that cannot run on a split module: refused on every rank, before any collective."""
-        from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
+        from lightning.pytorch.callbacks import (
+            LearningRateFinder, ModelPruning, StochasticWeightAveraging, WeightAveraging)
 
         if self.pp_size == 1:
             return
@@ -332,6 +333,10 @@ class PipeStrategy(DDPStrategy):
                           "layers (the others are meta tensors). Remove the callback, or prune after fit (the whole "
                           "model is gathered back into the module)",
         }
+        tuning = ("it runs the training loop from inside `on_fit_start` and restores the model it saved before, "
+                  "which the stages' split of the model does not support yet. Tune with a one-device Trainer (the "
+                  "model and its losses are the same), then fit with PipeStrategy and the values found")
+        reasons[LearningRateFinder] = tuning  # Tuner(trainer).lr_find adds it; Lightning refuses BatchSizeFinder
         for callback in trainer.callbacks:
             for kind, reason in reasons.items():
                 if isinstance(callback, kind):
