@@ -324,8 +324,9 @@ class PipeStrategy(DDPStrategy):
         if self.pp_size == 1:
             return
         averaging = ("it copies the whole LightningModule and averages every parameter in one process, while each "
-                     "pipeline stage holds only its own layers (the others are meta tensors). Remove the callback, or "
-                     "average the weights after fit (the whole model is gathered back into the module)")
+                     "pipeline stage holds only its own layers (the others are meta tensors); averaging per stage is "
+                     "not supported yet. Remove the callback (an average of the checkpoints ModelCheckpoint saves "
+                     "can be taken after fit)")
         reasons = {  # WeightAveraging is EMAWeightAveraging's base
             StochasticWeightAveraging: averaging, WeightAveraging: averaging,
             ModelPruning: "it prunes every layer from one process (a global threshold over all parameters, masks that "
