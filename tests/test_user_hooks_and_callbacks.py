@@ -10,7 +10,7 @@ Its ``main`` (``kind`` "pipe" or "ddp") runs in the shared launches of ``tests/l
   at epoch 1 (the head is released, meta, on the first stage by then);
 - the checkpoint saved after that epoch holds both param groups and resumes to DDP's weights.
 
-LBFGS, weight averaging, pruning and tuning callbacks are refused at setup without a launch.
+LBFGS, stochastic weight averaging, pruning and tuning callbacks are refused at setup without a launch.
 """
 
 from __future__ import annotations
@@ -217,7 +217,6 @@ def test_lbfgs_is_refused_right_after_the_optimizer_is_built(rank):
 @pytest.mark.parametrize("callback, name", [
     (lambda: StochasticWeightAveraging(swa_lrs=0.05), "StochasticWeightAveraging"),
     # regression: these stopped the first step with torch's errors about meta tensors
-    (lambda: EMAWeightAveraging(decay=0.5), "EMAWeightAveraging"),
     (lambda: ModelPruning("l1_unstructured", amount=0.3), "ModelPruning"),
     # regression: Tuner(trainer).lr_find stopped on meta tensors restoring its checkpoint
     (lambda: LearningRateFinder(num_training_steps=5), "LearningRateFinder"),
@@ -230,6 +229,18 @@ def test_callbacks_that_need_the_whole_model_in_one_process_are_refused_at_setup
         with pytest.raises(ConfigurationError,
                            match=rf"does not support the {name} callback: it .* or train with pipe_size=1$"):
             _setup(strategy, Model(), [callback()])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_weight_averaging_with_sharded_checkpoints_is_refused_at_setup_before_any_collective(rank):
+    """EMAWeightAveraging is supported (tests/test_weight_averaging.py), with whole checkpoints only."""
+    strategy = _strategy(rank)
+    strategy.state_dict_type = "sharded"
+    with mock.patch("torch.distributed.all_gather_object", side_effect=AssertionError("a collective")), \
+            mock.patch("torch.distributed.broadcast", side_effect=AssertionError("a collective")):
+        with pytest.raises(ConfigurationError, match=r"EMAWeightAveraging with sharded checkpoints is not supported "
+                                                     r"yet .* use PipeStrategy\(state_dict_type='full'\)"):
+            _setup(strategy, Model(), [EMAWeightAveraging(decay=0.5)])
 
 
 def test_clip_grad_norm_is_torchs_own_outside_the_gradient_hooks():

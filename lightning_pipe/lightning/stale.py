@@ -354,8 +354,9 @@ class StaleCopies:
         paths, at = (self.synced, self._synced_at) if training else (self.stale, self._all_at)
         if not paths or at == self.version:
             return
-        self._synced_at = self.version
-        if not training:
+        if training:
+            self._synced_at = self.version
+        else:  # not the synced ones' version: a callback may swap weights in for evaluation (an averaged model)
             self._all_at = self.version
         what = f"the first stage's copies of {paths}, which the last stage's code before the body uses"
         if transport.batched:

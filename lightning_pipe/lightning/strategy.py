@@ -38,7 +38,7 @@ from lightning_pipe.batchnorm import commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.faults import end_launched_ranks, end_process_groups_at_exit, note_failure, report_job_error
-from lightning_pipe.lightning import hooks, logs, profile, release, scaling, tracing
+from lightning_pipe.lightning import averaging, hooks, logs, profile, release, scaling, tracing
 from lightning_pipe.lightning.body import present_whole_body
 from lightning_pipe.lightning.effects import BufferWatch, StepEffects
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
@@ -298,6 +298,10 @@ class PipeStrategy(DDPStrategy):
             with trainable_placeholder(module, self.root_device):
                 self.setup_optimizers(trainer)
             self._refuse_unsupported_optimizers()
+            if self.pp_size > 1:
+                if self._sharded:  # also when built on the meta device
+                    averaging.refuse_sharded(trainer.callbacks)
+                averaging.adopt(trainer.callbacks, module, self.root_device)
             self._checkpoints.record_layouts(self._bare_optimizers())
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             if self.pp_size > 1:
@@ -318,17 +322,15 @@ class PipeStrategy(DDPStrategy):
 
     def _refuse_unsupported_callbacks(self, trainer: Any) -> None:
         """Callbacks that cannot run on a split module: refused on every rank, before any collective."""
-        from lightning.pytorch.callbacks import (
-            LearningRateFinder, ModelPruning, StochasticWeightAveraging, WeightAveraging)
+        from lightning.pytorch.callbacks import LearningRateFinder, ModelPruning, StochasticWeightAveraging
 
         if self.pp_size == 1:
             return
-        averaging = ("it copies the whole LightningModule and averages every parameter in one process, while each "
-                     "pipeline stage holds only its own layers (the others are meta tensors); averaging per stage is "
-                     "not supported yet. Remove the callback (an average of the checkpoints ModelCheckpoint saves "
-                     "can be taken after fit)")
-        reasons = {  # WeightAveraging is EMAWeightAveraging's base
-            StochasticWeightAveraging: averaging, WeightAveraging: averaging,
+        reasons = {
+            StochasticWeightAveraging: "it copies the whole LightningModule and averages every parameter in one "
+                                       "process, while each pipeline stage holds only its own layers (the others are "
+                                       "meta tensors). Use Lightning's WeightAveraging callback (its default average "
+                                       "is SWA's), which PipeStrategy supports",
             ModelPruning: "it prunes every layer from one process (a global threshold over all parameters, masks that "
                           "rename each pruned parameter to `<name>_orig`), while each pipeline stage holds only its own "
                           "layers (the others are meta tensors). Remove the callback, or prune after fit (the whole "
@@ -338,6 +340,8 @@ class PipeStrategy(DDPStrategy):
                   "which the stages' split of the model does not support yet. Tune with a one-device Trainer (the "
                   "model and its losses are the same), then fit with PipeStrategy and the values found")
         reasons[LearningRateFinder] = tuning  # Tuner(trainer).lr_find adds it; Lightning refuses BatchSizeFinder
+        if self.state_dict_type == "sharded":
+            averaging.refuse_sharded(trainer.callbacks)
         for callback in trainer.callbacks:
             for kind, reason in reasons.items():
                 if isinstance(callback, kind):
@@ -488,6 +492,7 @@ class PipeStrategy(DDPStrategy):
                 rank_zero_info(f"PipeStrategy: the last stage uses values of {names} beyond the body's input; its "
                                "copies there are refreshed from the first stage every step")
         split.release_unused(self._called, self._bare_optimizers())
+        averaging.follow_releases(module.trainer.callbacks, module)
 
     def _start_overlap(self, normalizer: float) -> None:
         """After the first step: average over the replicas inside later steps, overlapped with their
@@ -631,6 +636,10 @@ class PipeStrategy(DDPStrategy):
                                                  gather=not self._sharded)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if "current_model_state" in checkpoint and self.split is not None and self.split.installed and self.pp_size > 1:
+            # a WeightAveraging callback put its averaged copy of this rank's tensors there: the whole one instead
+            checkpoint["state_dict"] = averaging.averaged_state(self.lightning_module.trainer.callbacks,
+                                                                self.lightning_module, self.lightning_module_state_dict)
         if not self._sharded or self._checkpoints is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self._checkpoints.save_sharded(checkpoint, filepath, self.is_global_zero)
@@ -651,7 +660,10 @@ class PipeStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
         if self.split is None or not self.split.installed:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        self._checkpoints.load_module_state(checkpoint, strict)
+        module = self.lightning_module
+        if not averaging.restore(module.trainer.callbacks, module, checkpoint,
+                                 lambda state: self._checkpoints.load_module_state({"state_dict": state}, strict)):
+            self._checkpoints.load_module_state(checkpoint, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
         if self._checkpoints is None:
@@ -684,6 +696,8 @@ class PipeStrategy(DDPStrategy):
         """Put the whole trained model back into the LightningModule (a collective, on every rank)."""
         if self.split is None or not self.split.installed:
             return
+        if self.pp_size > 1:  # their averages are in the module now (their on_train_end ran), and theirs were per stage
+            averaging.drop(self.lightning_module.trainer.callbacks)
         if not self.gather_full_model:
             self.split.stand_in.mode = "released"  # fail loudly rather than run stage s alone
             return

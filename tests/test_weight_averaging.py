@@ -1,0 +1,122 @@
+"""Lightning's weight averaging callbacks (``EMAWeightAveraging``) under PipeStrategy, against DDP.
+
+Each stage averages its own tensors (see ``lightning_pipe.lightning.averaging``). The app (its
+``main`` runs in the shared launches of ``tests/lm_app.py``, see ``APPS`` in conftest.py) trains
+with an EMA for 2 epochs, validating each epoch with the averaged weights, saves checkpoints, then
+resumes from the last one for a third epoch. Unit tests of the per-stage copy first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.lightning.averaging import StageAverage
+
+
+def test_the_stage_copy_holds_real_tensors_only_where_the_module_does():
+    module = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Linear(3, 1, device="meta"))
+    copy = StageAverage(module, torch.device("cpu"))
+    shapes = [(tuple(t.shape), t.is_meta) for t in list(copy.parameters()) + list(copy.buffers())]
+    assert shapes == [((3, 2), False), ((3,), False), ((3,), False), ((3,), False), ((1, 3), True), ((1,), True),
+                      ((3,), False), ((3,), False), ((), False)]
+    module[0].weight.data.fill_(2.0)
+    copy.copy_from(module)
+    assert torch.equal(copy.weight_0, module[0].weight) and copy.weight_0 is not module[0].weight
+    module[1].weight = nn.Parameter(torch.empty(3, device="meta"))  # released after the first step
+    copy.follow_releases(module)
+    assert copy.weight_2.is_meta and not copy.weight_0.is_meta and not copy.buffer_0.is_meta
+
+
+# -- against DDP (in the shared launches) -----------------------------------------------------------
+def main(kind: str, root: str, out: str) -> None:
+    """The app trained under DDP (1 device, ``kind="ddp"``) and PipeStrategy (2 stages, ``kind="pipe"``)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import lightning_pipe
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Linear(4, 8)
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+            self.head = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h = self.embed(x)
+            self.log("h_mean", h.mean())  # the last stage's copy of `embed`: refreshed after validation swapped it
+            return nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            h = self.embed(x)
+            self.log("val_h", h.mean())
+            self.log("val_loss", nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    class Seen(pl.Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.rows.append(torch.stack([outputs["loss"].detach(), trainer.callback_metrics["h_mean"]]))
+
+        def on_validation_epoch_end(self, trainer, module):
+            self.rows.append(torch.stack([trainer.callback_metrics["val_loss"], trainer.callback_metrics["val_h"]]))
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 4, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1).tanh())
+    results = {}
+    for phase, epochs, resume in (("first", 2, None), ("resumed", 3, os.path.join(root, "ckpt", "last.ckpt"))):
+        pl.seed_everything(0)
+        strategy = lightning_pipe.PipeStrategy(num_microbatches=1, log_pipeline_metrics=False) if kind == "pipe" \
+            else DDPStrategy()
+        seen = Seen()
+        trainer = pl.Trainer(accelerator="cpu", devices=2 if kind == "pipe" else 1, strategy=strategy,
+                             max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[EMAWeightAveraging(decay=0.5), seen,
+                                        ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_last=True)],
+                             num_sanity_val_steps=0, default_root_dir=root)
+        model = Model()
+        loader = torch.utils.data.DataLoader(data, batch_size=6)
+        trainer.fit(model, loader, loader, ckpt_path=resume)
+        after = trainer.validate(model, loader, verbose=False)[0]  # the averaged weights, whole
+        if trainer.is_global_zero:
+            saved = torch.load(os.path.join(root, "ckpt", "last.ckpt"), map_location="cpu", weights_only=False)
+            results[phase] = {
+                "rows": torch.stack(seen.rows).cpu(), "after": after,
+                "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
+                "checkpoint": {key: saved[key] for key in ("state_dict", "current_model_state", "averaging_state")},
+            }
+    if results:
+        torch.save(results, out)
+
+
+@pytest.mark.parametrize("phase", ["first", "resumed"])
+def test_an_ema_trained_validated_saved_and_resumed_matches_ddp(lm_runs, phase):
+    """Regression: EMAWeightAveraging stopped the first step ('Cannot copy out of meta tensor'): its copy of the
+    whole module was zipped with a stage's tensors. Validation sees the averaged weights, the checkpoint holds them
+    with the current ones beside, and a resumed fit continues both."""
+    want = lm_runs("reference")[0]["test_weight_averaging_ddp"][phase]
+    got = lm_runs("world2")[0]["test_weight_averaging_pipe"][phase]
+    assert want["rows"].shape == ((11, 2) if phase == "first" else (6, 2))  # steps, validations and the one after
+    torch.testing.assert_close(got["rows"], want["rows"])
+    assert got["after"] == pytest.approx(want["after"], rel=1e-5)
+    for key, value in want["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+    for part, state in want["checkpoint"].items():
+        assert got["checkpoint"][part].keys() == state.keys()
+        for key, value in state.items():
+            torch.testing.assert_close(got["checkpoint"][part][key], value, msg=lambda m: f"{part} {key}: {m}")
+    averaged, current = want["checkpoint"]["state_dict"], want["checkpoint"]["current_model_state"]
+    assert any(not torch.equal(averaged[k], current[k]) for k in averaged)  # the test can tell them apart
