@@ -25,7 +25,7 @@ def _spec(name, case, strategy, devices, **options):
 NOISE_EPOCHS = 20
 # test modules whose own app (``main(kind, root, out)``: DDP on one device, PipeStrategy on two) runs in these launches
 APPS = ("test_outside_body_usage", "test_user_hooks_and_callbacks", "test_batches_and_views", "test_stale_copies",
-        "test_weight_averaging")
+        "test_weight_averaging", "test_tuner")
 LM_LAUNCHES = {
     "reference": [  # Lightning's DDP on one device
         _spec("llama", "llama", "ddp", 1), _spec("gpt2", "gpt2", "ddp", 1), _spec("albert", "albert", "ddp", 1, clip=0.5),

@@ -10,7 +10,7 @@ Its ``main`` (``kind`` "pipe" or "ddp") runs in the shared launches of ``tests/l
   at epoch 1 (the head is released, meta, on the first stage by then);
 - the checkpoint saved after that epoch holds both param groups and resumes to DDP's weights.
 
-LBFGS, stochastic weight averaging, pruning and tuning callbacks are refused at setup without a launch.
+LBFGS, stochastic weight averaging and pruning callbacks are refused at setup without a launch.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import (  # noqa: E402
-    BaseFinetuning, EMAWeightAveraging, LearningRateFinder, ModelCheckpoint, ModelPruning, StochasticWeightAveraging)
+    BaseFinetuning, EMAWeightAveraging, ModelCheckpoint, ModelPruning, StochasticWeightAveraging)
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from lightning_pipe import ConfigurationError, PipeStrategy  # noqa: E402
@@ -218,8 +218,6 @@ def test_lbfgs_is_refused_right_after_the_optimizer_is_built(rank):
     (lambda: StochasticWeightAveraging(swa_lrs=0.05), "StochasticWeightAveraging"),
     # regression: these stopped the first step with torch's errors about meta tensors
     (lambda: ModelPruning("l1_unstructured", amount=0.3), "ModelPruning"),
-    # regression: Tuner(trainer).lr_find stopped on meta tensors restoring its checkpoint
-    (lambda: LearningRateFinder(num_training_steps=5), "LearningRateFinder"),
 ])
 def test_callbacks_that_need_the_whole_model_in_one_process_are_refused_at_setup_before_any_collective(
         rank, callback, name):

@@ -1,6 +1,7 @@
 """What Lightning's hooks see under PipeStrategy: the whole model, the step's state, combined logs.
 
-- :class:`BodySwap`: ``on_fit_start`` callbacks (the model summary) see the unsplit body.
+- :class:`BodySwap`: ``on_fit_start`` callbacks (the model summary) see the unsplit body; the learning rate
+  finder, which trains in its ``on_fit_start``, the split one.
 - :class:`StepState`: before epoch-end hooks, the attributes the last stage's steps built are
   handed to the other stages, so ``on_validation_epoch_end`` computes the same on every rank.
 - :func:`combine_stage_logs`: what ``on_before_optimizer_step`` and ``on_after_backward`` hooks

@@ -28,6 +28,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -314,7 +315,10 @@ class PipeStrategy(DDPStrategy):
                            f"{m} microbatches, checkpoint {self.checkpoint}, body `{self.split.path}`, ideal bubble "
                            f"{ideal_bubble(self.schedule, self.pp_size, m, v if v > 1 else None):.1%}\n"
                            + "\n".join(self._stage_rows()))
-            trainer.callbacks.insert(0, hooks.BodySwap(self, whole=True))  # the summary sees the whole model
+            # on_fit_start: the summary sees the whole model; the learning rate finder (Tuner.lr_find), which trains
+            # and restores its checkpoint inside its on_fit_start, first in order, sees the split one
+            finders = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, LearningRateFinder)]
+            trainer.callbacks.insert(finders[-1] + 1 if finders else 0, hooks.BodySwap(self, whole=True))
             trainer.callbacks.append(hooks.BodySwap(self, whole=False))
         self.setup_precision_plugin()
         if fitting:
@@ -322,7 +326,7 @@ class PipeStrategy(DDPStrategy):
 
     def _refuse_unsupported_callbacks(self, trainer: Any) -> None:
         """Callbacks that cannot run on a split module: refused on every rank, before any collective."""
-        from lightning.pytorch.callbacks import LearningRateFinder, ModelPruning, StochasticWeightAveraging
+        from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 
         if self.pp_size == 1:
             return
@@ -336,10 +340,6 @@ class PipeStrategy(DDPStrategy):
                           "layers (the others are meta tensors). Remove the callback, or prune after fit (the whole "
                           "model is gathered back into the module)",
         }
-        tuning = ("it runs the training loop from inside `on_fit_start` and restores the model it saved before, "
-                  "which the stages' split of the model does not support yet. Tune with a one-device Trainer (the "
-                  "model and its losses are the same), then fit with PipeStrategy and the values found")
-        reasons[LearningRateFinder] = tuning  # Tuner(trainer).lr_find adds it; Lightning refuses BatchSizeFinder
         if self.state_dict_type == "sharded":
             averaging.refuse_sharded(trainer.callbacks)
         for callback in trainer.callbacks:
