@@ -18,7 +18,7 @@ as checked on Lightning 2.6.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -127,16 +127,14 @@ def restore(callbacks: List[Any], module: nn.Module, checkpoint: Dict[str, Any],
     adopted = _adopted(callbacks)
     if not adopted:
         return False
-    average = adopted[0]._average_model
-    if "current_model_state" in checkpoint and "averaging_state" in checkpoint:  # saved with averaging
-        load(checkpoint["state_dict"])  # the averaged weights, whole
-        average.module.copy_from(module)
-        for name, value in checkpoint["averaging_state"].items():
-            getattr(average, name).copy_(value)
+    load(checkpoint["state_dict"])  # the averaged weights if saved with averaging; else the average starts from them
+    for callback in adopted:
+        callback._average_model.module.copy_from(module)
+    if "current_model_state" in checkpoint and "averaging_state" in checkpoint:
+        for callback in adopted:
+            for name, value in checkpoint["averaging_state"].items():
+                getattr(callback._average_model, name).copy_(value)
         load(checkpoint["current_model_state"])
-    else:  # as the callback does: the average starts from the checkpoint's weights
-        load(checkpoint["state_dict"])
-        average.module.copy_from(module)
     return True
 
 
@@ -155,9 +153,14 @@ def drop(callbacks: List[Any]) -> None:
         callback.__dict__.pop("on_load_checkpoint", None)
 
 
-def averaged_state(callbacks: List[Any], module: Any, state: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
-    """The module's state with the averaged weights swapped in (``state``: how the strategy reads it, a collective)."""
-    (callback,) = _adopted(callbacks)
+def averaged_state(callbacks: List[Any], module: Any, state: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The module's state with the averaged weights swapped in (``state``: how the strategy reads it, a collective),
+    or None when no callback's average is this module's. With several callbacks, the last one's: its
+    ``on_save_checkpoint`` ran last and wrote the checkpoint's ``state_dict``."""
+    adopted = _adopted(callbacks)
+    if not adopted:
+        return None
+    callback = adopted[-1]
     callback._swap_models(module)
     try:
         return state()

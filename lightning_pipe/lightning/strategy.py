@@ -636,10 +636,12 @@ class PipeStrategy(DDPStrategy):
                                                  gather=not self._sharded)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if "current_model_state" in checkpoint and self.split is not None and self.split.installed and self.pp_size > 1:
+        if "current_model_state" in checkpoint and self.split is not None and self.split.installed:
             # a WeightAveraging callback put its averaged copy of this rank's tensors there: the whole one instead
-            checkpoint["state_dict"] = averaging.averaged_state(self.lightning_module.trainer.callbacks,
-                                                                self.lightning_module, self.lightning_module_state_dict)
+            averaged = averaging.averaged_state(self.lightning_module.trainer.callbacks, self.lightning_module,
+                                                self.lightning_module_state_dict)
+            if averaged is not None:
+                checkpoint["state_dict"] = averaged
         if not self._sharded or self._checkpoints is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self._checkpoints.save_sharded(checkpoint, filepath, self.is_global_zero)
