@@ -81,7 +81,7 @@ def test_a_released_module_refuses_to_run_with_a_named_error_and_an_owned_one_is
 def test_a_module_whose_parameter_or_buffer_is_read_without_a_call_counts_as_used():
     """Regression: `self.pos.weight[:n]` (frozen) and a buffer read as an attribute were not calls, so the module
     was released after the first step and the second stopped on torch's error about meta tensors."""
-    from lightning_pipe.lightning.release import reads_recorded, uses_recorded
+    from lightning_pipe.lightning.release import reads_paused, reads_recorded, uses_recorded
 
     net = Net()
     net.pos = nn.Embedding(6, 8).requires_grad_(False)
@@ -93,6 +93,8 @@ def test_a_module_whose_parameter_or_buffer_is_read_without_a_call_counts_as_use
             h = torch.cat([h, net.stats.center[None]])  # inside a list
             net.body(h)
         _ = [p.sum() for p in net.parameters()]  # the machinery around the step: not uses
+        with reads_recorded(), reads_paused():  # the body's layers run from the step: not looked at
+            _ = net.aux.weight.sum()
     assert used >= {id(net.embed), id(net.pos), id(net.stats)} and not used & {id(net.head), id(net.aux)}
     assert id(net.body) in used  # calls of any module are recorded, as before
     split = _split(0, net)

@@ -37,6 +37,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint import checkpointed
 from lightning_pipe.errors import BodyCallError, ConfigurationError
+from lightning_pipe.lightning.release import reads_paused
 from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
 BODY_KINDS = (nn.Sequential, nn.ModuleList)
@@ -199,14 +200,16 @@ class StandIn:
     def run_checkpointed(self, function, *inputs):
         """``function(*inputs)`` under activation checkpointing when asked (first stage only)."""
         if not self.checkpoint_layers:
-            return function(*inputs)
+            with reads_paused():
+                return function(*inputs)
         tracker = current_tracker()  # the recomputation runs later, in backward: bind it again then
 
         def run(*args):
             with use_tracker(tracker):
                 return function(*args)
 
-        return checkpointed(run, *inputs)
+        with reads_paused():
+            return checkpointed(run, *inputs)
 
 
 class PipelinedSequential(StandIn, nn.Sequential):

@@ -134,10 +134,11 @@ class _Reads(TorchFunctionMode):
     def __init__(self, owners: Dict[int, int], used: Set[int]) -> None:
         super().__init__()
         self.owners, self.used = owners, used
+        self.paused = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        for arg in (*args, *kwargs.values()):
+        for arg in () if self.paused else (*args, *kwargs.values()):
             for leaf in arg if isinstance(arg, (list, tuple)) else (arg,):
                 owner = self.owners.get(id(leaf))
                 if owner is not None:
@@ -171,6 +172,22 @@ def uses_recorded(module: nn.Module, body_path: str) -> Iterator[Set[int]]:
 def reads_recorded() -> Any:
     """Around the user's own code: record the reads :func:`uses_recorded` collects (a no-op when it does not)."""
     return _READS if _READS is not None else nullcontext()
+
+
+@contextmanager
+def reads_paused() -> Iterator[None]:
+    """Around the body's layers run from inside the user's step (the first stage): nothing of theirs to note, and
+    a block compiled with ``torch.compile`` would otherwise be traced through the mode's look at every input's
+    ``id``, guarding on it: recompiled for each new tensor until dynamo's limit, then run uncompiled for good."""
+    reads = _READS
+    if reads is None or reads.paused:
+        yield
+        return
+    reads.paused = True
+    try:
+        yield
+    finally:
+        reads.paused = False
 
 
 def unrelease(module: nn.Module, device: torch.device) -> None:
