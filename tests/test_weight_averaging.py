@@ -33,7 +33,8 @@ def test_the_stage_copy_holds_real_tensors_only_where_the_module_does():
 
 # -- against DDP (in the shared launches) -----------------------------------------------------------
 def main(kind: str, root: str, out: str) -> None:
-    """The app trained under DDP (1 device, ``kind="ddp"``) and PipeStrategy (2 stages, ``kind="pipe"``)."""
+    """The app trained under DDP (1 device, ``kind="ddp"``; 2: ``"ddp2"``) and PipeStrategy (2 stages, ``"pipe"``;
+    2 stages x 2 replicas: ``"pipe2x2"``)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
@@ -79,10 +80,11 @@ def main(kind: str, root: str, out: str) -> None:
     results = {}
     for phase, epochs, resume in (("first", 2, None), ("resumed", 3, os.path.join(root, "ckpt", "last.ckpt"))):
         pl.seed_everything(0)
-        strategy = lightning_pipe.PipeStrategy(num_microbatches=1, log_pipeline_metrics=False) if kind == "pipe" \
-            else DDPStrategy()
+        strategy = DDPStrategy() if kind.startswith("ddp") else \
+            lightning_pipe.PipeStrategy(pipe_size=2, num_microbatches=1, log_pipeline_metrics=False)
         seen = Seen()
-        trainer = pl.Trainer(accelerator="cpu", devices=2 if kind == "pipe" else 1, strategy=strategy,
+        devices = {"ddp": 1, "pipe": 2, "ddp2": 2, "pipe2x2": 4}[kind]
+        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
                              max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=[EMAWeightAveraging(decay=0.5), seen,
                                         ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_last=True)],
@@ -102,14 +104,21 @@ def main(kind: str, root: str, out: str) -> None:
         torch.save(results, out)
 
 
+@pytest.mark.parametrize("layout", ["p2", "2x2"])
 @pytest.mark.parametrize("phase", ["first", "resumed"])
-def test_an_ema_trained_validated_saved_and_resumed_matches_ddp(lm_runs, phase):
+def test_an_ema_trained_validated_saved_and_resumed_matches_ddp(lm_runs, phase, layout):
     """Regression: EMAWeightAveraging stopped the first step ('Cannot copy out of meta tensor'): its copy of the
     whole module was zipped with a stage's tensors. Validation sees the averaged weights, the checkpoint holds them
-    with the current ones beside, and a resumed fit continues both."""
-    want = lm_runs("reference")[0]["test_weight_averaging_ddp"][phase]
-    got = lm_runs("world2")[0]["test_weight_averaging_pipe"][phase]
-    assert want["rows"].shape == ((11, 2) if phase == "first" else (6, 2))  # steps, validations and the one after
+    with the current ones beside, and a resumed fit continues both; with replicas too (against DDP on 2)."""
+    if layout == "p2":
+        want = lm_runs("reference")[0]["test_weight_averaging_ddp"][phase]
+        got = lm_runs("world2")[0]["test_weight_averaging_pipe"][phase]
+    else:
+        want = lm_runs("world2")[0]["test_weight_averaging_ddp2"][phase]
+        got = lm_runs("world4")[0]["test_weight_averaging_2x2"][phase]
+    steps = 4 if layout == "p2" else 2  # per epoch (replicas share the 4 batches)
+    epochs = 2 if phase == "first" else 1
+    assert want["rows"].shape == (steps * epochs + epochs + 1, 2)  # steps, validations and the one after fit
     torch.testing.assert_close(got["rows"], want["rows"])
     assert got["after"] == pytest.approx(want["after"], rel=1e-5)
     for key, value in want["state_dict"].items():
