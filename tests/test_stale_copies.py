@@ -118,6 +118,24 @@ def test_parameters_read_as_attributes_are_marked_and_keep_their_gradients():
     assert type(model.extra.weight) is nn.Parameter
 
 
+def test_the_marked_aliases_are_made_once_per_parameter_and_grad_mode():
+    """Made anew on every microbatch, they added about 0.02 to glue_vs_plain (benchmarks/glue_cost.py, alternating
+    runs against the code before them)."""
+    model = _model()
+    copies = _copies(model)
+    with copies.watching():
+        first = model.embed.weight
+    with copies.watching():
+        assert model.embed.weight is first and isinstance(first, Stale)
+    model.embed.weight.requires_grad_(False)  # frozen later (BaseFinetuning)
+    with copies.watching():
+        frozen = model.embed.weight
+        assert frozen is not first and not frozen.requires_grad
+    model.embed.weight = nn.Parameter(torch.zeros(3, 3))  # another parameter object (a resume, a release)
+    with copies.watching():
+        assert model.embed.weight is not frozen and not model.embed.weight.any()
+
+
 # -- after the first step ---------------------------------------------------------------------------
 def test_after_the_first_step_noted_copies_are_synced_and_a_late_use_of_another_is_refused():
     model = _model()

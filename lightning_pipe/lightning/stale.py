@@ -225,6 +225,8 @@ class StaleCopies:
                          for path in sorted(self._watched)}
         self._skipped: Dict[int, nn.Module] = {}  # id -> the watched modules whose computation is skipped
         self._shapes: Dict[tuple, tuple] = {}  # (module id, input, grad mode, autocast) -> output shape, dtype, grad
+        self._aliases: Dict[tuple, tuple] = {}  # (path, name) -> (parameter, its marked alias)
+        self._watched_paths = sorted(self._watched)
 
     @staticmethod
     def find_candidates(module: nn.Module, body_path: str) -> List[str]:
@@ -261,12 +263,17 @@ class StaleCopies:
 
     def _alias_parameters(self) -> List[tuple]:
         swapped = []
-        for path in sorted(self._watched):
+        for path in self._watched_paths:
             params = self.module.get_submodule(path)._parameters
             for name, param in list(params.items()):
-                if param is not None:
-                    swapped.append((params, name, param))
-                    params[name] = mark(param, frozenset({path}))
+                if param is None:
+                    continue
+                alias = self._aliases.get((path, name))
+                if alias is None or alias[0] is not param or alias[1].requires_grad != param.requires_grad:  # made
+                    # once per parameter object and grad mode: it shares the data and is a view in the graph
+                    alias = self._aliases[(path, name)] = (param, mark(param, frozenset({path})))
+                swapped.append((params, name, param))
+                params[name] = alias[1]
         return swapped
 
     def active(self) -> bool:
@@ -314,6 +321,7 @@ class StaleCopies:
         self.stale = sorted(stale)
         self.learned = True
         self._watched = self._watched & set(self.stale) - set(self.synced)
+        self._watched_paths = sorted(self._watched)
         for path in set(self._handles) - self._watched:  # a module with hooks takes nn.Module's slower call path
             self._handles.pop(path).remove()
         for path in sorted(self._watched):
@@ -332,7 +340,7 @@ class StaleCopies:
             handle.remove()
         for m in self._skipped.values():
             del m.forward
-        self._handles, self._watched, self._skipped = {}, set(), {}
+        self._handles, self._watched, self._skipped, self._watched_paths, self._aliases = {}, set(), {}, [], {}
 
     def _state(self, paths: Sequence[str]) -> Dict[str, torch.Tensor]:
         """What the first stage changes in those modules: trainable parameters, and buffers (running statistics
