@@ -48,6 +48,7 @@ LM_LAUNCHES = {
         _spec("fp16_p2", "fp16", "pipe", 2, fp16_scale=256.0), _spec("fp16_ddp2", "fp16", "ddp", 2, fp16_scale=256.0),
         _spec("sum_ddp2", "sum", "ddp", 2, epochs=3),
         dict(name="test_weight_averaging_ddp2", app="test_weight_averaging", strategy="ddp2", devices=2),
+        dict(name="test_weight_averaging_1x2", app="test_weight_averaging", strategy="pipe1x2", devices=2),
         # interleaved 1F1B, 2 stages per process; the resume writes sharded checkpoints
         _spec("llama_p2v2", "llama", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2),
         _spec("tied_seq_p2v2", "tied_seq", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2, clip=0.5),

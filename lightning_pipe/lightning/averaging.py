@@ -140,9 +140,8 @@ def restore(callbacks: List[Any], module: nn.Module, checkpoint: Dict[str, Any],
 
 def follow_releases(callbacks: List[Any], module: nn.Module) -> None:
     """After the first step released what this rank does not use: drop the averages of those tensors too."""
-    for callback in averaging_callbacks(callbacks):
-        if callback._average_model is not None:
-            callback._average_model.module.follow_releases(module)
+    for callback in _adopted(callbacks):  # with one stage the callback keeps its own copy: nothing is released
+        callback._average_model.module.follow_releases(module)
 
 
 def drop(callbacks: List[Any]) -> None:
