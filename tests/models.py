@@ -116,3 +116,10 @@ class ResidualBN(nn.Module):
 def resnet(width: int = 6, depth: int = 4, seed: int = 0, dtype=torch.float64) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(*[ResidualBN(width) for _ in range(depth)], nn.Linear(width, 6)).to(dtype)
+
+
+def regression_data(num_samples: int) -> torch.utils.data.TensorDataset:
+    """The data of the test apps trained under DDP and PipeStrategy: 4 features from a fixed generator, the
+    target the tanh of their sum (the same on every rank, whatever was drawn before)."""
+    x = torch.randn(num_samples, 4, generator=torch.Generator().manual_seed(1))
+    return torch.utils.data.TensorDataset(x, x.sum(1).tanh())

@@ -251,6 +251,7 @@ def main(kind: str, root: str, out: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     import lightning_pipe
+    from tests.models import regression_data
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -311,9 +312,7 @@ def main(kind: str, root: str, out: str) -> None:
                                            metrics["direct_mean"].cpu()]))
 
     pl.seed_everything(0)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(24, 4, generator=g)
-    data = torch.utils.data.TensorDataset(x, x.sum(1).tanh())
+    data = regression_data(24)
     strategy = lightning_pipe.PipeStrategy(num_microbatches=3, log_pipeline_metrics=False) if kind == "pipe" \
         else DDPStrategy()
     seen = Seen()

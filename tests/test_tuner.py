@@ -18,6 +18,7 @@ def main(kind: str, root: str, out: str) -> None:
     from lightning.pytorch.tuner import Tuner
 
     import lightning_pipe
+    from tests.models import regression_data
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -36,9 +37,7 @@ def main(kind: str, root: str, out: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     pl.seed_everything(0)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(160, 4, generator=g)
-    data = torch.utils.data.TensorDataset(x, x.sum(1).tanh())
+    data = regression_data(160)
     strategy = lightning_pipe.PipeStrategy(num_microbatches=2, log_pipeline_metrics=False) if kind == "pipe" \
         else DDPStrategy()
     trainer = pl.Trainer(accelerator="cpu", devices=2 if kind == "pipe" else 1, strategy=strategy, max_epochs=1,

@@ -40,6 +40,7 @@ def main(kind: str, root: str, out: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     import lightning_pipe
+    from tests.models import regression_data
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -74,9 +75,7 @@ def main(kind: str, root: str, out: str) -> None:
         def on_validation_epoch_end(self, trainer, module):
             self.rows.append(torch.stack([trainer.callback_metrics["val_loss"], trainer.callback_metrics["val_h"]]))
 
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(24, 4, generator=g)
-    data = torch.utils.data.TensorDataset(x, x.sum(1).tanh())
+    data = regression_data(24)
     results = {}
     for phase, epochs, resume in (("first", 2, None), ("resumed", 3, os.path.join(root, "ckpt", "last.ckpt"))):
         pl.seed_everything(0)

@@ -18,7 +18,7 @@ as checked on Lightning 2.6.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -51,10 +51,15 @@ class StageAverage(nn.Module):
         for i, b in enumerate(module.buffers()):
             self.register_buffer(f"buffer_{i}", _copy(b, device))
 
+    def _pairs(self, module: nn.Module) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, copy, tensor)``: each copy with ``module``'s tensor it was made from."""
+        mine = itertools.chain(self._parameters.items(), self._buffers.items())
+        for (name, copy), tensor in zip(mine, itertools.chain(module.parameters(), module.buffers())):
+            yield name, copy, tensor
+
     def follow_releases(self, module: nn.Module) -> None:
         """Make meta the copies of the tensors ``module`` released since (after the first training step)."""
-        mine = list(self._parameters.items()) + list(self._buffers.items())
-        for (name, copy), tensor in zip(mine, itertools.chain(module.parameters(), module.buffers())):
+        for name, copy, tensor in list(self._pairs(module)):  # listed first: the loop replaces entries
             if tensor.is_meta and not copy.is_meta:
                 meta = torch.empty_like(copy, device="meta")
                 if name in self._parameters:
@@ -62,12 +67,10 @@ class StageAverage(nn.Module):
                 else:
                     self._buffers[name] = meta
 
-
     def copy_from(self, module: nn.Module) -> None:
         """Set every copy this rank holds to ``module``'s value."""
-        mine = itertools.chain(self._parameters.values(), self._buffers.values())
         with torch.no_grad():
-            for copy, tensor in zip(mine, itertools.chain(module.parameters(), module.buffers())):
+            for _, copy, tensor in self._pairs(module):
                 if not copy.is_meta:
                     copy.copy_(tensor)
 
@@ -99,9 +102,8 @@ def adopt(callbacks: List[Any], module: nn.Module, device: torch.device) -> None
     for callback in averaging_callbacks(callbacks):
         if callback._average_model is None:
             continue
-        average = AveragedModel(StageAverage(module, callback._device or device), use_buffers=callback._use_buffers,
-                                **callback._kwargs)
-        callback._average_model = average
+        callback._average_model = AveragedModel(StageAverage(module, callback._device or device),
+                                                use_buffers=callback._use_buffers, **callback._kwargs)
         callback.on_load_checkpoint = _restored_by_the_strategy
 
 

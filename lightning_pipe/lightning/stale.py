@@ -9,17 +9,17 @@ embedding: the common case, which then costs nothing). Anything else such a valu
 silently differ from what one process computes: a logged value, a metric's state, a number read
 into Python (``if h.isnan().any()``), the step's result, a list the step appends it to.
 
-So in training steps the last stage *marks* the outputs and parameters of the modules outside the body
-(:class:`Stale`, a tensor subclass whose ``__torch_function__`` passes the mark on to
+So in training steps the last stage *marks* the outputs and parameters of the modules outside the
+body (:class:`Stale`, a tensor subclass whose ``__torch_function__`` passes the mark on to
 whatever is computed from them; torch has no other way to follow a value through arbitrary user
 code, and operations on unmarked tensors pay nothing); a call after the body (a module under
 ``torch.no_grad()`` in the loss) is followed too. A marked value reaching one of those *sinks*
 notes its module. In the first training step every copy still equals the first stage's, so
 noting is all: after it (:meth:`StaleCopies.learn`), each noted module the last stage does not
 train (whose gradients it neither computes nor gets summed in) is kept equal to the first stage's
-copy, sent before every training step that follows an optimizer step (:meth:`StaleCopies.refresh`). A module whose marked values first reach a sink
-later (code under ``if batch_idx % 100 == 50``) raises :class:`~lightning_pipe.errors.StaleValueError`
-instead of computing with an old copy. Printing a marked value (``repr``, ``format``) is not a sink.
+copy, sent before every training step that follows an optimizer step (:meth:`StaleCopies.refresh`).
+A module whose marked values first reach a sink later (code under ``if batch_idx % 100 == 50``)
+raises :class:`~lightning_pipe.errors.StaleValueError` instead of computing with an old copy. Printing a marked value (``repr``, ``format``) is not a sink.
 Evaluation steps follow nothing: before the first evaluation step after an optimizer step, every
 copy the last stage does not train is refreshed (once per validation loop, not per step).
 
@@ -226,7 +226,6 @@ class StaleCopies:
         self._skipped: Dict[int, nn.Module] = {}  # id -> the watched modules whose computation is skipped
         self._shapes: Dict[tuple, tuple] = {}  # (module id, input, grad mode, autocast) -> output shape, dtype, grad
         self._aliases: Dict[tuple, tuple] = {}  # (path, name) -> (parameter, its marked alias)
-        self._watched_paths = sorted(self._watched)
 
     @staticmethod
     def find_candidates(module: nn.Module, body_path: str) -> List[str]:
@@ -263,7 +262,7 @@ class StaleCopies:
 
     def _alias_parameters(self) -> List[tuple]:
         swapped = []
-        for path in self._watched_paths:
+        for path in self._watched:
             params = self.module.get_submodule(path)._parameters
             for name, param in list(params.items()):
                 if param is None:
@@ -321,7 +320,6 @@ class StaleCopies:
         self.stale = sorted(stale)
         self.learned = True
         self._watched = self._watched & set(self.stale) - set(self.synced)
-        self._watched_paths = sorted(self._watched)
         for path in set(self._handles) - self._watched:  # a module with hooks takes nn.Module's slower call path
             self._handles.pop(path).remove()
         for path in sorted(self._watched):
@@ -340,7 +338,7 @@ class StaleCopies:
             handle.remove()
         for m in self._skipped.values():
             del m.forward
-        self._handles, self._watched, self._skipped, self._watched_paths, self._aliases = {}, set(), {}, [], {}
+        self._handles, self._watched, self._skipped, self._aliases = {}, set(), {}, {}
 
     def _state(self, paths: Sequence[str]) -> Dict[str, torch.Tensor]:
         """What the first stage changes in those modules: trainable parameters, and buffers (running statistics

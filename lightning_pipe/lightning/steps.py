@@ -18,11 +18,11 @@ from torch import nn
 from lightning_pipe import rng
 from lightning_pipe.checkpoint import should_checkpoint
 from lightning_pipe.errors import ConfigurationError, SideEffectError
+from lightning_pipe.lightning import release
 from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
 from lightning_pipe.lightning.losses import LossAccount, loss_of, merge
-from lightning_pipe.lightning import release
 from lightning_pipe.lightning.stale import StaleCopies, unmark
 from lightning_pipe.microbatch import scatter
 
