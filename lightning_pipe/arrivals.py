@@ -19,7 +19,7 @@ from collections import deque
 from typing import Dict, Optional
 
 from lightning_pipe.errors import PipelineAbortedError
-from lightning_pipe.faults import ErrorChannel
+from lightning_pipe.faults import ErrorChannel, _helpers
 
 _POLL_STORE_EVERY = 0.05  # seconds between looks at the store while a message is late
 _IDLE_SECONDS = 1.0  # a link's thread ends after this long without receives
@@ -37,28 +37,42 @@ class Arrival:
 
 
 class _Link:
-    """The helper thread of one link: waits for its arrivals in order."""
+    """The helper thread of one link: waits for its arrivals in order.
+
+    Like :class:`~lightning_pipe.faults._Waiter`'s, the thread keeps no arrival it completed, and
+    :func:`~lightning_pipe.faults.end_helper_threads` ends it at exit (see there for why).
+    """
 
     def __init__(self, condition: threading.Condition, name: str) -> None:
         self.queue: deque = deque()
         self.condition = condition
         self.name = name
         self.thread: Optional[threading.Thread] = None
+        self.stopping = False
         self.wake = threading.Condition(threading.Lock())
+        _helpers.add(self)
 
     def add(self, arrival: Arrival) -> None:
         with self.wake:
             self.queue.append(arrival)
+            self.stopping = False
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self.thread.start()
             else:
                 self.wake.notify()
 
+    def stop(self) -> Optional[threading.Thread]:
+        """Ask the thread to end once its queue is empty; return it (None when there is none)."""
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+            return self.thread
+
     def _loop(self) -> None:
         while True:
             with self.wake:
-                if not self.queue and not self.wake.wait(_IDLE_SECONDS) and not self.queue:
+                if not self.queue and (self.stopping or not self.wake.wait(_IDLE_SECONDS)) and not self.queue:
                     self.thread = None
                     return
                 if not self.queue:
@@ -69,9 +83,11 @@ class _Link:
                     work.wait()
             except BaseException as exc:  # raised by the main thread when it takes this arrival
                 arrival.error = exc
+            work = None
             with self.condition:
                 arrival.done = True
                 self.condition.notify_all()
+            arrival = None  # the main thread may have taken it and dropped it: the last reference may be this one
 
 
 class Arrivals:

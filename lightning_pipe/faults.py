@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -162,8 +163,10 @@ class _Slot:
 class _Waiter:
     """A daemon thread that calls ``Work.wait()`` for the main thread, one work at a time.
 
-    The thread ends after a second without work and is started again on demand. After a failure
-    it may stay blocked on a message that never comes; it holds no lock the main thread needs.
+    The thread ends after a second without work, or when :func:`end_helper_threads` stops it, and
+    is started again on demand. After a failure it may stay blocked on a message that never comes;
+    it holds no lock the main thread needs. It keeps no work once that work completed: see
+    :func:`end_helper_threads` for why.
     """
 
     _IDLE_SECONDS = 1.0
@@ -172,6 +175,7 @@ class _Waiter:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        _helpers.add(self)
 
     def submit(self, work: dist.Work) -> _Slot:
         slot = _Slot()
@@ -182,21 +186,56 @@ class _Waiter:
                 self._thread.start()
         return slot
 
+    def stop(self) -> Optional[threading.Thread]:
+        """Ask the thread to end once its queue is empty; return it (None when there is none)."""
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(None)
+            return self._thread
+
     def _loop(self) -> None:
         while True:
             try:
-                work, slot = self._queue.get(timeout=self._IDLE_SECONDS)
+                item = self._queue.get(timeout=self._IDLE_SECONDS)
             except queue.Empty:
+                item = None
+            if item is None:
                 with self._lock:
                     if self._queue.empty():
                         self._thread = None
                         return
                 continue
+            work, slot = item
+            item = None
             try:
                 work.wait()
             except BaseException as exc:  # handed to the main thread, which raises it
                 slot.error = exc
+            work = None  # before the slot is set: the main thread may then drop the last other reference
             slot.done.set()
+            slot = None
+
+
+# Objects whose helper threads end_helper_threads stops: this module's waiters and the receive
+# links of lightning_pipe.arrivals (each has ``stop()``, returning its thread or None).
+_helpers: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def end_helper_threads(timeout: float = 1.0) -> None:
+    """Stop this package's helper threads and wait up to ``timeout`` seconds for them to end.
+
+    A helper thread is a daemon thread; one still running when the interpreter finalizes is
+    ended as soon as it takes the GIL. If it takes the GIL inside torch's C++ code, as it does when
+    it frees a gloo ``Work`` whose receive buffer Python holds (the ``Work`` is freed without the
+    GIL, then the buffer needs it), the process aborts: "terminate called without an active
+    exception" (seen in a loop of 2-process fits: a link thread leaving on its idle timeout just as
+    the interpreter finalized). So the threads drop each work as soon as it completed, and at exit
+    they are ended here, while the interpreter still runs them normally.
+    """
+    threads = [thread for thread in (helper.stop() for helper in list(_helpers)) if thread is not None]
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 def end_launched_ranks(launcher: Any, grace_seconds: float = 5.0) -> None:
@@ -251,9 +290,14 @@ def end_process_groups(destroy: bool = True) -> None:
     one waits for its pending works, which may wait on a peer that is gone. NCCL groups are left
     to torch.
 
+    This package's helper threads are ended first (:func:`end_helper_threads`), except on a rank
+    that failed, where one may be blocked on a message that never comes.
+
     Args:
         destroy: False to only let the threads settle (the groups are someone else's to destroy).
     """
+    if not _exit["failed"] and not hasattr(sys, "last_value"):
+        end_helper_threads()
     time.sleep(_SETTLE_SECONDS)
     if not destroy or _exit["failed"] or hasattr(sys, "last_value") or not (dist.is_available() and dist.is_initialized()):
         return

@@ -184,6 +184,9 @@ class PipeStrategy(DDPStrategy):
         self._ties: Optional[TiedGradients] = None
         self._stale: Optional[StaleCopies] = None
         self._pending_grads: Dict[torch.nn.Parameter, Optional[torch.Tensor]] = {}
+        self.pp_group: Optional[dist.ProcessGroup] = None
+        self.dp_group: Optional[dist.ProcessGroup] = None
+        self._groups_of: Optional[dist.ProcessGroup] = None  # the default group pp_group and dp_group were made in
 
     # -- topology ------------------------------------------------------------------------------
     @property
@@ -250,8 +253,11 @@ class PipeStrategy(DDPStrategy):
                 "across two stages); use process_group_backend='gloo', or one stage per process")
         super().setup_environment()
         end_process_groups_at_exit(destroy=True)
-        mesh = init_device_mesh(self.root_device.type, (self.pp_size, self.dp_size), mesh_dim_names=("pp", "dp"))
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        if self._groups_of is not dist.group.WORLD:  # once per strategy: Lightning sets up again for each fit,
+            # validate, test and predict, and a gloo group's threads live as long as the group
+            mesh = init_device_mesh(self.root_device.type, (self.pp_size, self.dp_size), mesh_dim_names=("pp", "dp"))
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+            self._groups_of = dist.group.WORLD
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
