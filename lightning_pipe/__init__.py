@@ -3,6 +3,7 @@
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
 from lightning_pipe.errors import (
+    BatchMismatchError,
     BodyCallError,
     ConfigurationError,
     PartitionError,
@@ -41,6 +42,7 @@ from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchMismatchError",
     "BodyCallError",
     "CheckpointError",
     "CheckpointMismatchError",

@@ -39,3 +39,7 @@ class SideEffectError(PipelineError, RuntimeError):
 
 class StaleValueError(PipelineError, RuntimeError):
     """The last stage computed a value from its out-of-date copy of a module the first stage trains, and used it."""
+
+
+class BatchMismatchError(ConfigurationError):
+    """The processes of one pipeline loaded different batches (data sharded or randomized per process)."""

@@ -25,7 +25,7 @@ def _spec(name, case, strategy, devices, **options):
 NOISE_EPOCHS = 20
 # test modules whose own app (``main(kind, root, out)``: DDP on one device, PipeStrategy on two) runs in these launches
 APPS = ("test_outside_body_usage", "test_user_hooks_and_callbacks", "test_batches_and_views", "test_stale_copies",
-        "test_weight_averaging", "test_tuner")
+        "test_weight_averaging", "test_tuner", "test_data_loading")
 LM_LAUNCHES = {
     "reference": [  # Lightning's DDP on one device
         _spec("llama", "llama", "ddp", 1), _spec("gpt2", "gpt2", "ddp", 1), _spec("albert", "albert", "ddp", 1, clip=0.5),
@@ -65,6 +65,7 @@ LM_LAUNCHES = {
         _spec("llama_p3", "llama", "pipe", 3, trace=[3, 1]), _spec("albert_p3", "albert", "pipe", 3, schedule="zb_h1", clip=0.5),
         _spec("tied_seq_p3", "tied_seq", "pipe", 3, schedule="gpipe", clip=0.5),
         _spec("denoise_p3", "denoise", "pipe", 3, schedule="zb_h1", epochs=NOISE_EPOCHS),
+        dict(name="test_data_loading_pipe3", app="test_data_loading", strategy="pipe3", devices=3),
     ],
     "world4": [
         _spec("llama_p4", "llama", "pipe", 4, schedule="zb_h1", checkpoint="always", microbatches=4),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from datetime import timedelta
 from types import SimpleNamespace
 from unittest import mock
 
@@ -118,10 +119,19 @@ def test_a_released_body_fails_loudly_and_cannot_be_split_again():
     ({"checkpoint": "sometimes"}, r"checkpoint must be one of"),
     ({"start_method": "spawn"}, r"start_method='spawn'\): choose one of \['popen'\]; the spawn and fork launchers"),
     ({"loss_reduction": "token_mean"}, r"loss_reduction='token_mean'\): choose one of \['mean', 'sum'\]"),
+    ({"timeout": "30s"}, r"timeout='30s'\): give a datetime.timedelta or a positive number of seconds"),
+    ({"timeout": -1}, r"timeout=-1\): give a datetime.timedelta or a positive number of seconds"),
 ])
 def test_bad_arguments_raise_named_errors(kwargs, message):
     with pytest.raises(ConfigurationError, match=message):
         PipeStrategy(**kwargs)
+
+
+def test_a_timeout_in_seconds_is_taken_as_a_timedelta():
+    """Regression: a number (as a LightningCLI yaml gives it) reached init_process_group and failed there with
+    torch's TypeError, after the processes had started."""
+    assert PipeStrategy(timeout=90)._timeout == timedelta(seconds=90)
+    assert PipeStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)
 
 
 def test_registered_names_pick_the_schedule():

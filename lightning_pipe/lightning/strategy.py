@@ -19,6 +19,7 @@ import os
 import shutil
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
 import torch
@@ -27,6 +28,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -39,7 +41,7 @@ from lightning_pipe.batchnorm import commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.faults import end_launched_ranks, end_process_groups_at_exit, note_failure, report_job_error
-from lightning_pipe.lightning import averaging, hooks, logs, profile, release, scaling, tracing
+from lightning_pipe.lightning import averaging, batches, hooks, logs, profile, release, scaling, tracing
 from lightning_pipe.lightning.body import present_whole_body
 from lightning_pipe.lightning.effects import BufferWatch, StepEffects
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
@@ -118,7 +120,8 @@ class PipeStrategy(DDPStrategy):
             trainer's logger (global rank 0) ``pipe/bubble_fraction``, ``pipe/busy_fraction/stage_<s>``,
             ``pipe/wait_seconds/stage_<s>``, ``pipe/step_seconds`` and ``pipe/samples_per_second``.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default: the accelerator's.
-        timeout: how long a rank waits for a message or collective before failing.
+        timeout: how long a rank waits for a message or collective before failing: a ``timedelta`` or
+            seconds.
         start_method: only ``"popen"`` (Lightning's default for DDP): the spawn and fork launchers
             copy rank 0's module back into the main process, which would lose the other stages.
 
@@ -150,12 +153,17 @@ class PipeStrategy(DDPStrategy):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[timedelta, float, None] = default_pg_timeout,
         start_method: Literal["popen"] = "popen",
     ) -> None:
         for name, value in (("pipe_size", pipe_size), ("num_microbatches", num_microbatches)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigurationError(f"PipeStrategy({name}={value!r}): give a positive integer or None")
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+            timeout = timedelta(seconds=timeout)  # a number from a LightningCLI yaml or the command line
+        elif timeout is not None and not isinstance(timeout, timedelta):
+            raise ConfigurationError(f"PipeStrategy(timeout={timeout!r}): give a datetime.timedelta or a positive number "
+                                     "of seconds")
         self.stages_per_rank = check_schedule(schedule, virtual_stages)
         for name, value, allowed in (("loss_reduction", loss_reduction, list(LOSS_REDUCTIONS)),
                                      ("start_method", start_method, ["popen"])):
@@ -233,6 +241,20 @@ class PipeStrategy(DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Seed the loader's workers by replica, not by process: every stage of a pipeline loads the same batch.
+
+        With ``seed_everything(seed, workers=True)`` Lightning seeds each worker from the global rank
+        (it adds its ``worker_init_fn`` right after this hook, where none is set). A random transform in
+        a worker (label noise, a random crop of an image and its mask, masked-token labels) would then
+        draw differently on the first stage, which feeds the body, and on the last one, which computes
+        the loss. The replica index takes the global rank's place, as under DDP with one process per
+        replica.
+        """
+        if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", 0) is None:
+            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self.dp_rank)
+        return dataloader
 
     def setup_environment(self) -> None:
         if self.world_size % self.pp_size:
@@ -415,6 +437,7 @@ class PipeStrategy(DDPStrategy):
         if measure and executor.recorder is None:  # a PipelineTrace callback may be recording already
             executor.recorder = _OneStep()
         overlap = self._overlapped is not None and not module.trainer.fit_loop.epoch_loop._should_accumulate()
+        loaded = batches.fingerprint(args[0]) if self.pp_size > 1 else None
         with self.precision_plugin.train_step_context():
             earlier = gradients.take_grads(module.parameters())
             if self._zeroed_after_step(module.trainer):
@@ -440,7 +463,7 @@ class PipeStrategy(DDPStrategy):
             account = self._runner.account
             summary = (loss, self._runner.folded_logs(self._pipeline.last_sizes), account.merged_extras(),
                        account.normalizer()) if last else None
-            loss, extras, normalizer = self._share_results(summary, posted)
+            loss, extras, normalizer = self._share_results(summary, posted, "training_step", loaded)
             if normalizer != 1.0:  # the losses were weighted by num_items: divide by their total now
                 if overlap:
                     raise ConfigurationError(
@@ -533,15 +556,29 @@ class PipeStrategy(DDPStrategy):
         """Before a step: post this rank's receive of the step's results (see :func:`post_share`)."""
         return post_share(self._pipeline.transport, self.stage_ranks[-1]) if self.pp_size > 1 else None
 
-    def _share_results(self, summary: Optional[tuple], posted: Any) -> tuple:
-        """Send the last stage's loss, logs, metric states and results to the whole pipeline; log them."""
+    def _share_results(self, summary: Optional[tuple], posted: Any, hook: str,
+                       loaded: Optional[batches.Fingerprint]) -> tuple:
+        """Send the last stage's loss, logs, metric states and results to the whole pipeline; log them.
+
+        Two more things travel with them. ``trainer.should_stop``: a step that sets it
+        (``self.trainer.should_stop = True`` on a NaN loss) ran whole on the last stage only, and a
+        stage that went on alone would wait for the next step's messages. The fingerprint of the
+        last stage's batch, which every other rank compares with its own (see :mod:`.batches`).
+        """
         module, last = self.lightning_module, self.is_last_stage
-        payload = (summary, logs.metric_states(module, self.split.path)) if last else None
+        trainer = module.trainer
+        payload = None
+        if last:
+            mine = loaded.value() if loaded is not None else None
+            payload = (summary, logs.metric_states(module, self.split.path), trainer.should_stop, mine)
         if self.pp_size > 1:
             payload = share_object(payload, self._pipeline.transport, self.stage_ranks[-1], posted)
-        (loss, calls, extras, normalizer), metric_states = payload
+        (loss, calls, extras, normalizer), metric_states, should_stop, theirs = payload
         if not last:
+            batches.check(loaded, theirs, hook, trainer.global_step, self.global_rank,
+                          self.stage_ranks[-1] * self.dp_size + self.dp_rank)
             logs.load_metric_states(module, metric_states, self.root_device)
+            trainer.should_stop = trainer.should_stop or should_stop
         logs.replay(module, calls, self.root_device)
         loss, extras = move_data_to_device((loss, extras), self.root_device)
         if loss is not None:
@@ -570,11 +607,12 @@ class PipeStrategy(DDPStrategy):
             with context:
                 return getattr(self.lightning_module, hook)(*args)
         self._refresh_stale_copies(training=False)
+        loaded = batches.fingerprint(args[0])
         posted = self._post_results()
         with context:
             outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.is_first_stage,
                                                      self.is_last_stage)
-        _, extras, _ = self._share_results(summary, posted)
+        _, extras, _ = self._share_results(summary, posted, hook, loaded)
         return extras.get("outputs", outputs)  # the step's merged output on every rank (predictions included)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

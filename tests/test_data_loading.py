@@ -1,0 +1,164 @@
+"""What every stage of a pipeline loads, and a step that stops the fit, under PipeStrategy against DDP.
+
+- Random transforms in DataLoader workers under ``seed_everything(seed, workers=True)``: Lightning
+  seeds each worker from the global rank, so the first stage (which feeds the body) and the last
+  (which computes the loss) drew different label noise; the workers are now seeded by replica.
+- ``self.trainer.should_stop = True`` in ``training_step`` (stop on a NaN loss, a step budget):
+  with 3 stages the middle one never runs the step, went on alone and waited for the next step.
+- Data sharded by global rank (an ``IterableDataset``): the stages load different batches, which
+  nothing can tell from correct code; the batches are compared every step and the fit stops
+  with ``BatchMismatchError``.
+
+The app (``main``) runs in the shared launches of ``tests/lm_app.py`` (see ``APPS`` in conftest.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import BatchMismatchError
+from lightning_pipe.lightning import batches
+from tests.conftest import launch_lm_app, stop_reasons
+
+STOP_AT = 5  # the step whose training_step sets trainer.should_stop (epoch 0 has 8 steps)
+
+
+def main(kind: str, root: str, out: str) -> None:
+    """Trained under DDP (1 device, ``kind="ddp"``), PipeStrategy on 2 or 3 stages (``"pipe"``, ``"pipe3"``), or
+    on 2 stages with the data sharded by global rank (``"sharded"``, which fails)."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import lightning_pipe
+
+    class NoisyLabels(torch.utils.data.Dataset):
+        """Label noise drawn in the loader's worker, from the generator Lightning seeds there."""
+
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.x, self.y = torch.randn(96, 4, generator=g), torch.randn(96, 1, generator=g)
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return self.x[i], self.y[i] + 0.5 * torch.randn(1)
+
+    class ShardedByProcess(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            data = NoisyLabels()
+            for i in range(dist.get_rank(), len(data), dist.get_world_size()):
+                yield data.x[i], data.y[i]
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.body = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
+            self.head = nn.Linear(8, 1)
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.head(self.body(self.embed(x))), y)
+            if self.global_step == STOP_AT:
+                self.trainer.should_stop = True
+            self.log("train_loss", loss)
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    pl.seed_everything(0, workers=True)
+    devices = {"ddp": 1, "pipe": 2, "pipe3": 3, "sharded": 2}[kind]
+    strategy = DDPStrategy() if kind == "ddp" else lightning_pipe.PipeStrategy(num_microbatches=3,
+                                                                               log_pipeline_metrics=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=root)
+    model = Model()
+    data = ShardedByProcess() if kind == "sharded" else NoisyLabels()
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=12, num_workers=0 if kind == "sharded" else 1))
+    if trainer.is_global_zero:
+        torch.save({"global_step": trainer.global_step, "losses": model.losses,
+                    "state_dict": {k: v.cpu() for k, v in model.state_dict().items()}}, out)
+
+
+@pytest.mark.parametrize("launch, name", [("world2", "test_data_loading_pipe"), ("world3", "test_data_loading_pipe3")])
+def test_worker_transforms_seeded_by_lightning_and_a_step_that_stops_the_fit_match_ddp(lm_runs, launch, name):
+    """Regressions: the last stage's label noise differed from the first's (weights 0.03 away from DDP's after 4
+    steps); with 3 stages the middle one went on after a step set should_stop, and the fit timed out."""
+    want = lm_runs("reference")[0]["test_data_loading_ddp"]
+    got = lm_runs(launch)[0][name]
+    assert want["global_step"] == got["global_step"] == STOP_AT + 1
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]))
+    for key, value in want["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+
+
+def test_data_sharded_by_process_stops_the_fit_with_a_named_error(tmp_path_factory):
+    code, seconds, survivors, output = launch_lm_app(
+        tmp_path_factory, "sharded_data",
+        [dict(name="sharded", app="test_data_loading", strategy="sharded", devices=2)], expect_failure=True, timeout=120,
+    )
+    assert code != 0 and not survivors, (survivors, output[-4000:])
+    reason = stop_reasons(output)[0]
+    assert reason.startswith("BatchMismatchError: training_step at step 0: the batch this process (global rank 0) "
+                             "loaded differs from the one the last stage's process (global rank 1) loaded"), reason
+    assert "trainer.strategy.dp_rank" in reason
+
+
+# -- the fingerprint ------------------------------------------------------------------------------
+def _value(batch):
+    return batches.fingerprint(batch).value()
+
+
+def test_the_fingerprint_tells_equal_batches_from_different_ones():
+    x = torch.randn(64, 3, 8, 8)
+    tokens = torch.randint(0, 50_000, (64, 128))
+    batch = {"pixels": x, "tokens": tokens, "ids": ["a", "b"], "n": 3}
+    copy = {"pixels": x.clone(), "tokens": tokens.clone(), "ids": ["a", "b"], "n": 3}
+    assert batches.same(_value(batch), _value(copy))
+    one_token = tokens.clone()
+    one_token[16, 0] += 1  # one of the 1024 tokens in 8192 the fingerprint reads
+    masked = tokens.masked_fill(torch.rand(tokens.shape) < 0.15, 0)  # masked-token labels drawn per process
+    changes = [
+        dict(copy, pixels=x[torch.randperm(64)]),  # the same samples in another order
+        dict(copy, pixels=x + 1e-3 * torch.randn_like(x)),  # another draw of a transform
+        dict(copy, tokens=one_token),
+        dict(copy, tokens=masked),
+        dict(copy, ids=["a", "c"]),
+        dict(copy, n=4),
+        dict(copy, tokens=tokens[:32]),
+        {"pixels": x, "tokens": tokens},
+    ]
+    for changed in changes:
+        assert not batches.same(_value(batch), _value(changed))
+
+
+def test_the_fingerprint_reads_a_sample_and_handles_odd_tensors():
+    assert batches.same(_value(torch.full((3,), math.nan)), _value(torch.full((3,), math.nan)))
+    assert not batches.same(_value(torch.full((3,), math.nan)), _value(torch.zeros(3)))
+    transposed = torch.randn(40, 30).t()
+    assert batches.same(_value(transposed), _value(transposed.contiguous()))
+    assert batches.same(_value(torch.zeros(0, 4)), _value(torch.zeros(0, 4)))
+    assert not batches.same(_value(torch.zeros(0, 4)), _value(torch.zeros(0, 5)))
+    assert batches.same(_value(torch.ones(2, dtype=torch.complex64)), _value(torch.ones(2, dtype=torch.complex64)))
+    assert len(batches.fingerprint(object()).sums) == 0  # not compared: its repr holds an address
+
+
+def test_check_raises_only_on_a_different_batch():
+    batch = (torch.arange(12.0).reshape(6, 2), torch.ones(6))
+    mine = batches.fingerprint(batch)
+    batches.check(mine, _value(batch), "training_step", 3, 0, 1)
+    batches.check(mine, None, "training_step", 3, 0, 1)  # one stage: nothing to compare
+    with pytest.raises(BatchMismatchError, match="validation_step at step 3: .*global rank 0.*global rank 1"):
+        batches.check(mine, _value((batch[0] + 1, batch[1])), "validation_step", 3, 0, 1)
