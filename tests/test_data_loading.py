@@ -5,6 +5,7 @@
   (which computes the loss) drew different label noise; the workers are now seeded by replica.
 - ``self.trainer.should_stop = True`` in ``training_step`` (stop on a NaN loss, a step budget):
   with 3 stages the middle one never runs the step, went on alone and waited for the next step.
+- A fit that trains no step (``max_steps=0``): the whole model is back in the module afterwards.
 - Data sharded by global rank (an ``IterableDataset``): the stages load different batches, which
   nothing can tell from correct code; the batches are compared every step and the fit stops
   with ``BatchMismatchError``.
@@ -77,27 +78,41 @@ def main(kind: str, root: str, out: str) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    def make_trainer(**limits):
+        devices = {"ddp": 1, "pipe": 2, "pipe3": 3, "sharded": 2}[kind]
+        strategy = DDPStrategy() if kind == "ddp" else lightning_pipe.PipeStrategy(num_microbatches=3,
+                                                                                   log_pipeline_metrics=False)
+        return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, **limits)
+
     pl.seed_everything(0, workers=True)
-    devices = {"ddp": 1, "pipe": 2, "pipe3": 3, "sharded": 2}[kind]
-    strategy = DDPStrategy() if kind == "ddp" else lightning_pipe.PipeStrategy(num_microbatches=3,
-                                                                               log_pipeline_metrics=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=root)
     model = Model()
     data = ShardedByProcess() if kind == "sharded" else NoisyLabels()
-    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=12, num_workers=0 if kind == "sharded" else 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=12, num_workers=0 if kind == "sharded" else 1)
+    idle = {}
+    if kind != "sharded":  # a fit that trains no step leaves the whole model in the module, as any fit does
+        make_trainer(max_steps=0).fit(model, loader)
+        idle["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+        idle["output"] = model.head(model.body(model.embed(torch.ones(2, 4)))).detach()
+    trainer = make_trainer(max_epochs=2)
+    trainer.fit(model, loader)
     if trainer.is_global_zero:
-        torch.save({"global_step": trainer.global_step, "losses": model.losses,
+        torch.save({"global_step": trainer.global_step, "losses": model.losses, "idle": idle,
                     "state_dict": {k: v.cpu() for k, v in model.state_dict().items()}}, out)
 
 
 @pytest.mark.parametrize("launch, name", [("world2", "test_data_loading_pipe"), ("world3", "test_data_loading_pipe3")])
 def test_worker_transforms_seeded_by_lightning_and_a_step_that_stops_the_fit_match_ddp(lm_runs, launch, name):
     """Regressions: the last stage's label noise differed from the first's (weights 0.03 away from DDP's after 4
-    steps); with 3 stages the middle one went on after a step set should_stop, and the fit timed out."""
+    steps); with 3 stages the middle one went on after a step set should_stop, and the fit timed out; a fit with
+    max_steps=0 (Lightning then skips on_train_end) left each rank its stage only: the module's state_dict lacked
+    the other stages' layers and its body refused to run."""
     want = lm_runs("reference")[0]["test_data_loading_ddp"]
     got = lm_runs(launch)[0][name]
+    assert got["idle"]["state_dict"].keys() == want["idle"]["state_dict"].keys()
+    for key, value in want["idle"]["state_dict"].items():
+        torch.testing.assert_close(got["idle"]["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+    torch.testing.assert_close(got["idle"]["output"], want["idle"]["output"])
     assert want["global_step"] == got["global_step"] == STOP_AT + 1
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]))
     for key, value in want["state_dict"].items():
@@ -147,6 +162,7 @@ def test_the_fingerprint_tells_equal_batches_from_different_ones():
 def test_the_fingerprint_reads_a_sample_and_handles_odd_tensors():
     assert batches.same(_value(torch.full((3,), math.nan)), _value(torch.full((3,), math.nan)))
     assert not batches.same(_value(torch.full((3,), math.nan)), _value(torch.zeros(3)))
+    assert batches.same(_value(torch.full((2000,), math.inf)), _value(torch.full((2000,), math.inf)))
     transposed = torch.randn(40, 30).t()
     assert batches.same(_value(transposed), _value(transposed.contiguous()))
     assert batches.same(_value(torch.zeros(0, 4)), _value(torch.zeros(0, 4)))

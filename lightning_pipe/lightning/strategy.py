@@ -192,6 +192,7 @@ class PipeStrategy(DDPStrategy):
         self._ties: Optional[TiedGradients] = None
         self._stale: Optional[StaleCopies] = None
         self._pending_grads: Dict[torch.nn.Parameter, Optional[torch.Tensor]] = {}
+        self._train_ended = True  # False from the setup of a fit to its on_train_end
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
         self._groups_of: Optional[dist.ProcessGroup] = None  # the default group pp_group and dp_group were made in
@@ -291,6 +292,7 @@ class PipeStrategy(DDPStrategy):
                                      "backward inside training_step. Remove `self.automatic_optimization = False`")
         if fitting:
             self._refuse_unsupported_callbacks(trainer)
+            self._train_ended = False
         scaling.share_loss_scaler(self.precision_plugin, self.root_device)
         if self.split is None or self.split.module is not module:
             self._split_module(module, trainer)
@@ -740,6 +742,7 @@ class PipeStrategy(DDPStrategy):
 
     def on_train_end(self) -> None:
         """Put the whole trained model back into the LightningModule (a collective, on every rank)."""
+        self._train_ended = True
         if self.split is None or not self.split.installed:
             return
         if self.pp_size > 1:  # their averages are in the module now (their on_train_end ran), and theirs were per stage
@@ -761,9 +764,11 @@ class PipeStrategy(DDPStrategy):
             self._pipeline.replicas.close()  # its hooks on the parameters
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
-        if self.split is not None and self.split.installed and self.gather_full_model and not fitting \
-                and not getattr(self, "_failed", False):
-            gather_whole_model(self, self._checkpoints)  # evaluation left the weights as they were: the whole body holds them
+        if self.split is not None and self.split.installed and not getattr(self, "_failed", False):
+            if fitting and not self._train_ended:  # Lightning skips on_train_end when the fit trains no step
+                self.on_train_end()  # (max_steps=0, limit_train_batches=0), which left each rank its stage only
+            elif not fitting and self.gather_full_model:
+                gather_whole_model(self, self._checkpoints)  # evaluation left the weights as they were
         if module is None:
             return super().teardown()
         self._move_materialized(torch.device("cpu"))  # Lightning's teardown calls module.cpu(), which meta refuses
