@@ -16,6 +16,7 @@ LBFGS, stochastic weight averaging and pruning callbacks are refused at setup wi
 from __future__ import annotations
 
 import math
+import warnings
 import os
 import sys
 from types import SimpleNamespace
@@ -253,3 +254,27 @@ def test_clip_grad_norm_is_torchs_own_outside_the_gradient_hooks():
             assert clip_grad._get_total_norm is norm and torch.nn.utils.get_total_norm is norm
             raise RuntimeError
     assert (clip_grad._get_total_norm, torch.nn.utils.get_total_norm) == before
+
+
+def test_a_loggers_writing_use_in_the_last_stages_step_warns_once_and_the_loggers_come_back(tmp_path):
+    """The code after the body runs on the last stage's process, where Lightning's loggers write nothing: a step
+    that logs media there (``self.logger.experiment.add_image``) did nothing, silently."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_pipe.lightning import loggers
+
+    logger = CSVLogger(tmp_path)
+    trainer = SimpleNamespace(_loggers=[logger])
+    loggers._warned["done"] = False
+    with loggers.watched(trainer, "validation_step", 1):
+        seen = trainer._loggers[0]
+        assert isinstance(seen, CSVLogger) and seen is not logger
+        assert seen.save_dir == logger.save_dir  # reading where it writes is no use that writes
+        with pytest.warns(UserWarning, match=r"validation_step used the logger's `experiment` after the body call\. "
+                                             r"Under PipeStrategy that code runs on the last stage's process \(global "
+                                             r"rank 1\)"):
+            seen.experiment
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            seen.log_metrics({"x": 1.0})  # once per process
+    assert trainer._loggers == [logger]

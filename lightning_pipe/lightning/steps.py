@@ -18,7 +18,7 @@ from torch import nn
 from lightning_pipe import rng
 from lightning_pipe.checkpoint import should_checkpoint
 from lightning_pipe.errors import ConfigurationError, SideEffectError
-from lightning_pipe.lightning import release
+from lightning_pipe.lightning import loggers, release
 from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
@@ -55,6 +55,7 @@ class StepRunner:
         self.account: Optional[LossAccount] = None
         self.runs_whole_too = False  # this process holds the first and the last stage of a pipeline (ZB-V)
         self.stale: Optional[StaleCopies] = None  # the last stage's copies of what the first stage trains
+        self.watch_loggers_on: Optional[int] = None  # global rank of the last stage of replica 0, where not 0
 
     def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
         """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
@@ -75,8 +76,10 @@ class StepRunner:
         self.stand_in.begin_step(mode, replacement, checkpoint_layers)
         watch = self.stale.watching() if self.stale is not None and mode == "replace" and self.hook == "training_step" \
             else nullcontext()  # evaluation steps get every copy refreshed instead (see .stale)
+        logging = loggers.watched(self.module.trainer, self.hook, self.watch_loggers_on) \
+            if self.watch_loggers_on is not None and mode == "replace" else nullcontext()
         try:
-            with watch:
+            with watch, logging:
                 with release.reads_recorded():
                     output = getattr(self.module, self.hook)(batch, *self.hook_args)
                 output = unmark(output, f"returned by {self.hook}")

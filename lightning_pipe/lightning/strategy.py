@@ -318,6 +318,9 @@ class PipeStrategy(DDPStrategy):
         self._overlapped: Optional[set] = None  # parameters averaged over replicas inside the step (ids)
         self._overlap_decided = self._synced_in_step = False
         self._runner.runs_whole_too = self.pp_size > 1 and self.is_first_stage and self.is_last_stage
+        # where DDP's global rank 0 would run the code after the body (see .loggers)
+        watch = self.pp_size > 1 and self.is_last_stage and self.dp_rank == 0 and self.global_rank != 0
+        self._runner.watch_loggers_on = self.global_rank if watch else None
         self._effects.num_microbatches = m
         for metric in (m for m in module.modules() if isinstance(m, logs.Metric) and m.process_group is None):
             metric.process_group = self.dp_group

@@ -1,0 +1,62 @@
+"""Logger calls in the code after the body, which runs on a process that is not global rank 0.
+
+Under PipeStrategy the code of a step after the body call runs on the last stage only. Lightning's
+loggers write on global rank 0 alone (``logger.experiment`` is a dummy elsewhere, and
+``log_image``/``log_metrics``... are ``rank_zero_only``), so a step that logs media there
+(``self.logger.experiment.add_image(...)`` in ``validation_step``, ``self.logger.log_image(...)``)
+does nothing, where under DDP global rank 0 runs the whole step and logs. ``self.log`` is not
+affected: its values are gathered to every rank (see :mod:`.logs`).
+
+Writing from the last stage instead would open a second writer (a second wandb or MLflow run, a
+CSV file written by two processes), so nothing is sent; :func:`watched` warns once instead,
+naming what was used and where to move it. It wraps the trainer's loggers while the last stage
+runs the user's step, on the pipeline of replica 0 when its last stage is not global rank 0.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+_warned = {"done": False}
+
+
+class _Watched:
+    """A logger as the last stage's step sees it: warns on the first use that would write, then delegates."""
+
+    def __init__(self, logger: Any, hook: str, rank: int) -> None:
+        object.__setattr__(self, "_logger", logger)
+        object.__setattr__(self, "_where", (hook, rank))
+
+    @property
+    def __class__(self) -> type:  # isinstance(self.logger, WandbLogger) stays true
+        return type(object.__getattribute__(self, "_logger"))
+
+    def __getattr__(self, name: str) -> Any:
+        if (name == "experiment" or name.startswith("log_")) and not _warned["done"]:
+            _warned["done"] = True
+            hook, rank = object.__getattribute__(self, "_where")
+            warnings.warn(
+                f"{hook} used the logger's `{name}` after the body call. Under PipeStrategy that code runs on the last "
+                f"stage's process (global rank {rank}), and Lightning's loggers write on global rank 0 only, so it "
+                "does nothing. Log values with self.log (gathered to every rank), and media (images, tables) from a "
+                "hook that runs on every rank: on_train_batch_end / on_validation_batch_end get the step's merged "
+                "outputs, and on_validation_epoch_end the attributes the steps built",
+                stacklevel=2,
+            )
+        return getattr(object.__getattribute__(self, "_logger"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_logger"), name, value)
+
+
+@contextmanager
+def watched(trainer: Any, hook: str, rank: int) -> Iterator[None]:
+    """While the user's step runs on the last stage: ``trainer.loggers`` warn on a use that writes."""
+    loggers = trainer._loggers
+    trainer._loggers = [_Watched(logger, hook, rank) for logger in loggers]
+    try:
+        yield
+    finally:
+        trainer._loggers = loggers
