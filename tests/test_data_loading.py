@@ -169,6 +169,9 @@ def test_the_fingerprint_reads_a_sample_and_handles_odd_tensors():
     assert not batches.same(_value(torch.zeros(0, 4)), _value(torch.zeros(0, 5)))
     assert batches.same(_value(torch.ones(2, dtype=torch.complex64)), _value(torch.ones(2, dtype=torch.complex64)))
     assert len(batches.fingerprint(object()).sums) == 0  # not compared: its repr holds an address
+    sparse = torch.eye(3).to_sparse()
+    assert batches.same(_value(sparse), _value(sparse.clone()))  # its shape only
+    assert not batches.same(_value(sparse), _value(torch.eye(4).to_sparse()))
 
 
 def test_check_raises_only_on_a_different_batch():

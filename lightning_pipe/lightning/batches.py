@@ -68,8 +68,9 @@ def fingerprint(batch: Any) -> Fingerprint:
 
 def _walk(value: Any, sums: List[torch.Tensor], parts: List[str]) -> None:
     if isinstance(value, torch.Tensor):
-        sums.append(_tensor_sum(value))
-        parts.append(f"T{tuple(value.shape)}{value.dtype}")
+        parts.append(f"T{tuple(value.shape) if not value.is_nested else 'nested'}{value.dtype}{value.layout}")
+        if value.layout == torch.strided and not value.is_nested and not value.is_quantized:
+            sums.append(_tensor_sum(value))  # a sparse, nested or quantized tensor: its shape only
     elif isinstance(value, Mapping):
         for key, item in value.items():
             parts.append(f"K{key!r}")
