@@ -121,6 +121,7 @@ def test_a_released_body_fails_loudly_and_cannot_be_split_again():
     ({"loss_reduction": "token_mean"}, r"loss_reduction='token_mean'\): choose one of \['mean', 'sum'\]"),
     ({"timeout": "30s"}, r"timeout='30s'\): give a datetime.timedelta or a positive number of seconds"),
     ({"timeout": -1}, r"timeout=-1\): give a datetime.timedelta or a positive number of seconds"),
+    ({"timeout": float("inf")}, r"timeout=inf\): give a datetime.timedelta or a positive number of seconds"),
 ])
 def test_bad_arguments_raise_named_errors(kwargs, message):
     with pytest.raises(ConfigurationError, match=message):

@@ -265,16 +265,21 @@ def test_a_loggers_writing_use_in_the_last_stages_step_warns_once_and_the_logger
 
     logger = CSVLogger(tmp_path)
     trainer = SimpleNamespace(_loggers=[logger])
+    body = SimpleNamespace(called=False)
     loggers._warned["done"] = False
-    with loggers.watched(trainer, "validation_step", 1):
+    with loggers.watched(trainer, "validation_step", 1, lambda: body.called):
         seen = trainer._loggers[0]
         assert isinstance(seen, CSVLogger) and seen is not logger
-        assert seen.save_dir == logger.save_dir  # reading where it writes is no use that writes
-        with pytest.warns(UserWarning, match=r"validation_step used the logger's `experiment` after the body call\. "
-                                             r"Under PipeStrategy that code runs on the last stage's process \(global "
-                                             r"rank 1\)"):
-            seen.experiment
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            seen.log_metrics({"x": 1.0})  # once per process
+            seen.experiment  # before the body: the first stage (global rank 0) runs this code too, and writes
+            body.called = True
+            assert seen.save_dir == logger.save_dir and seen.log_dir == logger.log_dir  # reading writes nothing
+        with pytest.warns(UserWarning, match=r"validation_step used the logger's `log_metrics` after the body call\. "
+                                             r"Under PipeStrategy that code runs on the last stage's process \(global "
+                                             r"rank 1\)"):
+            seen.log_metrics({"x": 1.0})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            seen.experiment  # once per process
     assert trainer._loggers == [logger]

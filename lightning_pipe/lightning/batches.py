@@ -8,46 +8,71 @@ number of replicas), but what it does not control can differ by process: an ``It
 or a sampler sharded by global rank (``trainer.global_rank``, ``dist.get_rank()``,
 ``split_dataset_by_node``), a random transform seeded per process. Nothing a library can inspect
 tells these apart from correct code, so the batches themselves are compared: each rank takes a
-fingerprint of its batch, the last stage's travels with the step's results (no extra message),
-and every other rank compares it with its own and raises :class:`~lightning_pipe.errors.
-BatchMismatchError` on a difference.
+fingerprint of its batch, the last stage's travels with the step's results (a few numbers per
+tensor, no extra message), and every other rank compares it with its own and raises
+:class:`~lightning_pipe.errors.BatchMismatchError` on a difference.
 
-The fingerprint reads at most :data:`SAMPLES` evenly spaced values of each tensor (a few
-microseconds, whatever the batch's size), weighted by position so that a reordering shows too,
-plus each tensor's shape and dtype and the batch's numbers and strings. It is kept as a tensor on
-the batch's device until it is compared, after the step, so that it adds no device
-synchronization.
+The fingerprint reads at most :data:`SAMPLES` evenly spaced values of each of the batch's first
+:data:`TENSORS` tensors (the values themselves, never a copy of the tensor), weighted by position
+so that a reordering shows too, plus every tensor's shape, dtype and layout and the batch's
+numbers and strings. Values computed with other rounding on another process (a GPU transform
+under ``cudnn.benchmark``, another CPU's vector width) still compare equal: the tolerance is a few
+units in the last place of the tensor's dtype, relative to the values' magnitudes; a different
+sample or draw differs far more. On an accelerator the sums are copied to the host as soon as they
+are computed, and the comparison after the step waits for that copy only, not for the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import zlib
 from collections.abc import Mapping
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from lightning_pipe.errors import BatchMismatchError
 
 SAMPLES = 1024  # values read per tensor
-_RTOL = 1e-9  # of the sum of magnitudes: rounding moves a sum far less, a different batch far more
+TENSORS = 16  # tensors read per batch (the rest: shape and dtype only)
+_ULPS = 16  # tolerance, in units of the dtype's last place, relative to the sum of magnitudes
+_EXACT = 1e-12  # for integers and booleans: only the float64 sums' own rounding
+
+Value = Tuple[Tuple[Tuple[float, float, float], ...], int]  # per tensor (sum, sum of magnitudes, rtol); structure
 
 
 class Fingerprint:
-    """A batch's fingerprint: per tensor a weighted sum of sampled values; the structure, as text."""
+    """A batch's fingerprint: per sampled tensor a weighted sum and the sum of magnitudes; the structure."""
 
-    __slots__ = ("sums", "structure")
+    __slots__ = ("_sums", "_tolerances", "_structure", "_copies")
 
-    def __init__(self, sums: List[torch.Tensor], structure: str) -> None:
-        self.sums = sums
-        self.structure = structure
+    def __init__(self, sums: List[torch.Tensor], tolerances: List[float], structure: str) -> None:
+        self._tolerances = tolerances
+        self._structure = structure
+        self._copies: List[Tuple[torch.Tensor, Any]] = []  # per device: the sums on the host, and the copy's event
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for s in sums:
+            by_device.setdefault(s.device, []).append(s)
+        self._sums = list(by_device.values())
+        for device, group in by_device.items():
+            stacked = torch.stack(group)
+            if device.type == "cuda":
+                event = torch.cuda.Event()
+                host = stacked.to("cpu", non_blocking=True)
+                event.record()
+                self._copies.append((host, event))
+            else:
+                self._copies.append((stacked.cpu(), None))
 
-    def value(self) -> Tuple[Tuple[Tuple[float, float], ...], int]:
-        """``(per-tensor (sum, sum of magnitudes), crc32 of the structure)`` as Python numbers (synchronizes
-        with the device)."""
-        return tuple((float(s[0]), float(s[1])) for s in self.sums), zlib.crc32(self.structure.encode())
+    def value(self) -> Value:
+        """The fingerprint as Python numbers: waits for its own copy to the host, not for later work."""
+        rows: List[List[float]] = []
+        for host, event in self._copies:
+            if event is not None:
+                event.synchronize()
+            rows.extend(host.tolist())
+        return (tuple((s, m, t) for (s, m), t in zip(rows, self._tolerances)),
+                zlib.crc32(self._structure.encode()))
 
 
 def fingerprint(batch: Any) -> Fingerprint:
@@ -61,61 +86,66 @@ def fingerprint(batch: Any) -> Fingerprint:
         False
     """
     sums: List[torch.Tensor] = []
+    tolerances: List[float] = []
     parts: List[str] = []
-    _walk(batch, sums, parts)
-    return Fingerprint(sums, "|".join(parts))
+    _walk(batch, sums, tolerances, parts)
+    return Fingerprint(sums, tolerances, "|".join(parts))
 
 
-def _walk(value: Any, sums: List[torch.Tensor], parts: List[str]) -> None:
+def _walk(value: Any, sums: List[torch.Tensor], tolerances: List[float], parts: List[str]) -> None:
     if isinstance(value, torch.Tensor):
         parts.append(f"T{tuple(value.shape) if not value.is_nested else 'nested'}{value.dtype}{value.layout}")
-        if value.layout == torch.strided and not value.is_nested and not value.is_quantized:
-            sums.append(_tensor_sum(value))  # a sparse, nested or quantized tensor: its shape only
+        readable = value.layout == torch.strided and not value.is_nested and not value.is_quantized
+        if readable and len(sums) < TENSORS:  # a sparse, nested or quantized tensor: its shape only
+            sums.append(_tensor_sums(value))
+            tolerances.append(_ULPS * torch.finfo(value.dtype).eps if value.dtype.is_floating_point or value.is_complex()
+                              else _EXACT)
     elif isinstance(value, Mapping):
         for key, item in value.items():
             parts.append(f"K{key!r}")
-            _walk(item, sums, parts)
+            _walk(item, sums, tolerances, parts)
     elif isinstance(value, (list, tuple)):
         parts.append(f"L{len(value)}")
         for item in value:
-            _walk(item, sums, parts)
+            _walk(item, sums, tolerances, parts)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
             parts.append(f"K{field.name}")
-            _walk(getattr(value, field.name), sums, parts)
+            _walk(getattr(value, field.name), sums, tolerances, parts)
     elif isinstance(value, (str, bytes, int, float, bool)) or value is None:
         parts.append(repr(value))
     # anything else (a PIL image, an object whose repr holds its address) is not compared
 
 
-def _tensor_sum(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach()
-    if flat.is_complex():
-        flat = torch.view_as_real(flat)
-    flat = flat.reshape(-1)
-    if flat.numel() == 0:
-        return torch.zeros(2, dtype=torch.float64, device=flat.device)
-    sample = flat[:: max(flat.numel() // SAMPLES, 1)][:SAMPLES].to(torch.float64)
-    weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
-    terms = torch.nan_to_num(sample, nan=0.5, posinf=1e30, neginf=-1e30) * weights
+def _tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """``[weighted sum, sum of magnitudes]`` of up to SAMPLES values of ``tensor`` in row-major order (float64)."""
+    t = tensor.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    n = t.numel()
+    if n == 0:
+        return torch.zeros(2, dtype=torch.float64, device=t.device)
+    step = max(n // SAMPLES, 1)
+    if t.is_contiguous():
+        sample = t.view(-1)[::step][:SAMPLES]
+    else:  # index the values themselves: reshape would copy the whole tensor (an expanded mask, channels_last)
+        index = torch.arange(0, n, step, device=t.device)[:SAMPLES]
+        sample = t[torch.unravel_index(index, t.shape)]
+    sample = sample.to(torch.float64)
+    weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=t.device) / sample.numel()
+    terms = torch.nan_to_num(sample, nan=0.5, posinf=1e300, neginf=-1e300) * weights  # weights <= 1: no overflow
     return torch.stack([terms.sum(), terms.abs().sum()])
 
 
-def same(a: tuple, b: tuple) -> bool:
-    """Whether two fingerprint values (:meth:`Fingerprint.value`) describe the same batch.
-
-    Sums may differ in their last bits where two processes reduce in another order (another CPU's
-    vector width): the tolerance is relative to the sum of the terms' magnitudes.
-    """
+def same(a: Value, b: Value) -> bool:
+    """Whether two fingerprint values (:meth:`Fingerprint.value`) describe the same batch."""
     (sums_a, structure_a), (sums_b, structure_b) = a, b
     return structure_a == structure_b and len(sums_a) == len(sums_b) and all(
-        abs(x - y) <= _RTOL * max(mx, my) and math.isclose(mx, my, rel_tol=_RTOL)
-        for (x, mx), (y, my) in zip(sums_a, sums_b))
+        x == y or abs(x - y) <= tol * max(mx, my) for (x, mx, tol), (y, my, _) in zip(sums_a, sums_b))
 
 
-def check(mine: Fingerprint, last: Optional[Tuple[Tuple[float, ...], int]], hook: str, step: int, rank: int,
-          last_rank: int) -> None:
-    """Raise :class:`BatchMismatchError` if this rank's batch is not the last stage's (``last``)."""
+def check(mine: Fingerprint, last: Optional[Value], hook: str, step: int, rank: int, last_rank: int) -> None:
+    """Raise :class:`BatchMismatchError` if this rank's batch is not the last stage's (``last``; None: not taken)."""
     if last is None or same(mine.value(), last):
         return
     raise BatchMismatchError(

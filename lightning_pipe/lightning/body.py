@@ -166,6 +166,10 @@ class StandIn:
         # submodule of each name, and this runs twice per microbatch on the critical path.
         self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0)
 
+    def reached(self) -> bool:
+        """Whether the user's step has called the body since :meth:`begin_step`."""
+        return self.calls > 0
+
     def end_step(self, hook: str, path: str) -> None:
         """Check how the user's step called the body; back to ``"local"``."""
         mode, calls = self.mode, self.calls

@@ -225,6 +225,9 @@ class PipelinedLayerList(StandIn, nn.Module):
         self._seen = []
         self._handed = None
 
+    def reached(self) -> bool:
+        return bool(self._seen)  # the loop's first block call (calls counts the Sequential stand-in's)
+
     def end_step(self, hook: str, path: str) -> None:
         mode, seen = self.mode, self._seen
         self.begin_step("local")

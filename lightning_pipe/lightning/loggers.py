@@ -9,7 +9,8 @@ affected: its values are gathered to every rank (see :mod:`.logs`).
 
 Writing from the last stage instead would open a second writer (a second wandb or MLflow run, a
 CSV file written by two processes), so nothing is sent; :func:`watched` warns once instead,
-naming what was used and where to move it. It wraps the trainer's loggers while the last stage
+naming what was used and where to move it. Reading the logger (``save_dir``, ``log_dir``) does not
+warn, and neither does a use before the body call, which the first stage (global rank 0) runs too. It wraps the trainer's loggers while the last stage
 runs the user's step, on the pipeline of replica 0 when its last stage is not global rank 0.
 """
 
@@ -17,26 +18,30 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 _warned = {"done": False}
 
 
 class _Watched:
-    """A logger as the last stage's step sees it: warns on the first use that would write, then delegates."""
+    """A logger as the last stage's step sees it: warns on the first use that would write after the body, then
+    delegates. ``after_body()`` tells whether the step has called the body yet (the code before it also runs on
+    the first stage, global rank 0, where the logger writes)."""
 
-    def __init__(self, logger: Any, hook: str, rank: int) -> None:
+    def __init__(self, logger: Any, hook: str, rank: int, after_body: Callable[[], bool]) -> None:
         object.__setattr__(self, "_logger", logger)
-        object.__setattr__(self, "_where", (hook, rank))
+        object.__setattr__(self, "_where", (hook, rank, after_body))
 
     @property
     def __class__(self) -> type:  # isinstance(self.logger, WandbLogger) stays true
         return type(object.__getattribute__(self, "_logger"))
 
     def __getattr__(self, name: str) -> Any:
-        if (name == "experiment" or name.startswith("log_")) and not _warned["done"]:
+        value = getattr(object.__getattribute__(self, "_logger"), name)
+        hook, rank, after_body = object.__getattribute__(self, "_where")
+        writes = name == "experiment" or (name.startswith("log_") and callable(value))  # not log_dir
+        if writes and not _warned["done"] and after_body():
             _warned["done"] = True
-            hook, rank = object.__getattribute__(self, "_where")
             warnings.warn(
                 f"{hook} used the logger's `{name}` after the body call. Under PipeStrategy that code runs on the last "
                 f"stage's process (global rank {rank}), and Lightning's loggers write on global rank 0 only, so it "
@@ -45,17 +50,17 @@ class _Watched:
                 "outputs, and on_validation_epoch_end the attributes the steps built",
                 stacklevel=2,
             )
-        return getattr(object.__getattribute__(self, "_logger"), name)
+        return value
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(object.__getattribute__(self, "_logger"), name, value)
 
 
 @contextmanager
-def watched(trainer: Any, hook: str, rank: int) -> Iterator[None]:
-    """While the user's step runs on the last stage: ``trainer.loggers`` warn on a use that writes."""
+def watched(trainer: Any, hook: str, rank: int, after_body: Callable[[], bool]) -> Iterator[None]:
+    """While the user's step runs on the last stage: ``trainer.loggers`` warn on a use that writes after the body."""
     loggers = trainer._loggers
-    trainer._loggers = [_Watched(logger, hook, rank) for logger in loggers]
+    trainer._loggers = [_Watched(logger, hook, rank, after_body) for logger in loggers]
     try:
         yield
     finally:

@@ -76,7 +76,7 @@ class StepRunner:
         self.stand_in.begin_step(mode, replacement, checkpoint_layers)
         watch = self.stale.watching() if self.stale is not None and mode == "replace" and self.hook == "training_step" \
             else nullcontext()  # evaluation steps get every copy refreshed instead (see .stale)
-        logging = loggers.watched(self.module.trainer, self.hook, self.watch_loggers_on) \
+        logging = loggers.watched(self.module.trainer, self.hook, self.watch_loggers_on, self.stand_in.reached) \
             if self.watch_loggers_on is not None and mode == "replace" else nullcontext()
         try:
             with watch, logging:

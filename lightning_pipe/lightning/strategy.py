@@ -159,7 +159,7 @@ class PipeStrategy(DDPStrategy):
         for name, value in (("pipe_size", pipe_size), ("num_microbatches", num_microbatches)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigurationError(f"PipeStrategy({name}={value!r}): give a positive integer or None")
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < float("inf"):
             timeout = timedelta(seconds=timeout)  # a number from a LightningCLI yaml or the command line
         elif timeout is not None and not isinstance(timeout, timedelta):
             raise ConfigurationError(f"PipeStrategy(timeout={timeout!r}): give a datetime.timedelta or a positive number "
