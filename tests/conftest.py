@@ -49,6 +49,7 @@ LM_LAUNCHES = {
         _spec("sum_ddp2", "sum", "ddp", 2, epochs=3),
         dict(name="test_weight_averaging_ddp2", app="test_weight_averaging", strategy="ddp2", devices=2),
         dict(name="test_weight_averaging_1x2", app="test_weight_averaging", strategy="pipe1x2", devices=2),
+        dict(name="test_data_loading_ddp2", app="test_data_loading", strategy="ddp2", devices=2),
         # interleaved 1F1B, 2 stages per process; the resume writes sharded checkpoints
         _spec("llama_p2v2", "llama", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2),
         _spec("tied_seq_p2v2", "tied_seq", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2, clip=0.5),
@@ -78,6 +79,7 @@ LM_LAUNCHES = {
               checkpoint="always"),
         _spec("llama_2x2zbv", "llama", "pipe", 4, pipe_size=2, schedule="zbv", checkpoint="except_last"),
         dict(name="test_weight_averaging_2x2", app="test_weight_averaging", strategy="pipe2x2", devices=4),
+        dict(name="test_data_loading_pipe2x2", app="test_data_loading", strategy="pipe2x2", devices=4),
     ],
 }
 

@@ -25,12 +25,13 @@ from lightning_pipe import BatchMismatchError
 from lightning_pipe.lightning import batches
 from tests.conftest import launch_lm_app, stop_reasons
 
-STOP_AT = 5  # the step whose training_step sets trainer.should_stop (epoch 0 has 8 steps)
+STOP_AT = 5  # the step whose training_step sets trainer.should_stop (in epoch 0, which has 8 steps with 2 replicas)
 
 
 def main(kind: str, root: str, out: str) -> None:
-    """Trained under DDP (1 device, ``kind="ddp"``), PipeStrategy on 2 or 3 stages (``"pipe"``, ``"pipe3"``), or
-    on 2 stages with the data sharded by global rank (``"sharded"``, which fails)."""
+    """Trained under DDP (``"ddp"``, ``"ddp2"``: 1 or 2 devices), PipeStrategy on 2 or 3 stages (``"pipe"``,
+    ``"pipe3"``) or 2 stages x 2 replicas (``"pipe2x2"``), or on 2 stages with the data sharded by global rank
+    (``"sharded"``, which fails)."""
     import lightning.pytorch as pl
     import torch.distributed as dist
     from lightning.pytorch.strategies import DDPStrategy
@@ -42,7 +43,7 @@ def main(kind: str, root: str, out: str) -> None:
 
         def __init__(self) -> None:
             g = torch.Generator().manual_seed(0)
-            self.x, self.y = torch.randn(96, 4, generator=g), torch.randn(96, 1, generator=g)
+            self.x, self.y = torch.randn(192, 4, generator=g), torch.randn(192, 1, generator=g)
 
         def __len__(self) -> int:
             return len(self.x)
@@ -79,9 +80,9 @@ def main(kind: str, root: str, out: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def make_trainer(**limits):
-        devices = {"ddp": 1, "pipe": 2, "pipe3": 3, "sharded": 2}[kind]
-        strategy = DDPStrategy() if kind == "ddp" else lightning_pipe.PipeStrategy(num_microbatches=3,
-                                                                                   log_pipeline_metrics=False)
+        devices = {"ddp": 1, "ddp2": 2, "pipe": 2, "pipe3": 3, "pipe2x2": 4, "sharded": 2}[kind]
+        strategy = DDPStrategy() if kind.startswith("ddp") else lightning_pipe.PipeStrategy(
+            pipe_size=2 if kind == "pipe2x2" else None, num_microbatches=3, log_pipeline_metrics=False)
         return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
                           enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, **limits)
 
@@ -101,13 +102,18 @@ def main(kind: str, root: str, out: str) -> None:
                     "state_dict": {k: v.cpu() for k, v in model.state_dict().items()}}, out)
 
 
-@pytest.mark.parametrize("launch, name", [("world2", "test_data_loading_pipe"), ("world3", "test_data_loading_pipe3")])
-def test_worker_transforms_seeded_by_lightning_and_a_step_that_stops_the_fit_match_ddp(lm_runs, launch, name):
+@pytest.mark.parametrize("launch, name, reference", [
+    ("world2", "test_data_loading_pipe", ("reference", "test_data_loading_ddp")),
+    ("world3", "test_data_loading_pipe3", ("reference", "test_data_loading_ddp")),
+    ("world4", "test_data_loading_pipe2x2", ("world2", "test_data_loading_ddp2")),  # replica 1's workers: rank 1's
+])
+def test_worker_transforms_seeded_by_lightning_and_a_step_that_stops_the_fit_match_ddp(lm_runs, launch, name,
+                                                                                       reference):
     """Regressions: the last stage's label noise differed from the first's (weights 0.03 away from DDP's after 4
     steps); with 3 stages the middle one went on after a step set should_stop, and the fit timed out; a fit with
     max_steps=0 (Lightning then skips on_train_end) left each rank its stage only: the module's state_dict lacked
     the other stages' layers and its body refused to run."""
-    want = lm_runs("reference")[0]["test_data_loading_ddp"]
+    want = lm_runs(reference[0])[0][reference[1]]
     got = lm_runs(launch)[0][name]
     assert got["idle"]["state_dict"].keys() == want["idle"]["state_dict"].keys()
     for key, value in want["idle"]["state_dict"].items():
