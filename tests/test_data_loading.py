@@ -6,6 +6,7 @@
 - ``self.trainer.should_stop = True`` in ``training_step`` (stop on a NaN loss, a step budget):
   with 3 stages the middle one never runs the step, went on alone and waited for the next step.
 - A fit that trains no step (``max_steps=0``): the whole model is back in the module afterwards.
+- The logger used after the body call (on the last stage's process, where it writes nothing) warns there.
 - Data sharded by global rank (an ``IterableDataset``): the stages load different batches, which
   nothing can tell from correct code; the batches are compared every step and the fit stops
   with ``BatchMismatchError``.
@@ -16,6 +17,8 @@ The app (``main``) runs in the shared launches of ``tests/lm_app.py`` (see ``APP
 from __future__ import annotations
 
 import math
+import os
+import warnings
 
 import pytest
 import torch
@@ -34,9 +37,11 @@ def main(kind: str, root: str, out: str) -> None:
     (``"sharded"``, which fails)."""
     import lightning.pytorch as pl
     import torch.distributed as dist
+    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import DDPStrategy
 
     import lightning_pipe
+    from lightning_pipe.lightning import loggers
 
     class NoisyLabels(torch.utils.data.Dataset):
         """Label noise drawn in the loader's worker, from the generator Lightning seeds there."""
@@ -67,9 +72,17 @@ def main(kind: str, root: str, out: str) -> None:
 
         def training_step(self, batch, batch_idx):
             x, y = batch
+            if batch_idx == 0:
+                self.logger.experiment  # before the body: global rank 0 runs this too, and it writes
             loss = nn.functional.mse_loss(self.head(self.body(self.embed(x))), y)
             if self.global_step == STOP_AT:
                 self.trainer.should_stop = True
+            if batch_idx == 0:  # after the body: the last stage's process, where the logger writes nothing
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    self.logger.experiment
+                with open(os.path.join(root, f"logger_warnings_{self.global_rank}.txt"), "a") as f:  # not an attribute:
+                    f.writelines(f"{w.message}\n" for w in caught if "used the logger" in str(w.message))  # shared
             self.log("train_loss", loss)
             return loss
 
@@ -83,8 +96,9 @@ def main(kind: str, root: str, out: str) -> None:
         devices = {"ddp": 1, "ddp2": 2, "pipe": 2, "pipe3": 3, "pipe2x2": 4, "sharded": 2}[kind]
         strategy = DDPStrategy() if kind.startswith("ddp") else lightning_pipe.PipeStrategy(
             pipe_size=2 if kind == "pipe2x2" else None, num_microbatches=3, log_pipeline_metrics=False)
-        return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, **limits)
+        return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=CSVLogger(root),
+                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                          default_root_dir=root, **limits)
 
     pl.seed_everything(0, workers=True)
     model = Model()
@@ -96,6 +110,8 @@ def main(kind: str, root: str, out: str) -> None:
         idle["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         idle["output"] = model.head(model.body(model.embed(torch.ones(2, 4)))).detach()
     trainer = make_trainer(max_epochs=2)
+    loggers._warned["done"] = False  # once per process, and the launch's other runs share the process
+    open(os.path.join(root, f"logger_warnings_{trainer.global_rank}.txt"), "w").close()
     trainer.fit(model, loader)
     if trainer.is_global_zero:
         torch.save({"global_step": trainer.global_step, "losses": model.losses, "idle": idle,
@@ -123,6 +139,23 @@ def test_worker_transforms_seeded_by_lightning_and_a_step_that_stops_the_fit_mat
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]))
     for key, value in want["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("launch, name, devices, warned", [
+    ("reference", "test_data_loading_ddp", 1, []),
+    ("world2", "test_data_loading_pipe", 2, [1]),
+    ("world3", "test_data_loading_pipe3", 3, [2]),
+    ("world4", "test_data_loading_pipe2x2", 4, [2]),  # the last stage of replica 0 only, where DDP's rank 0 would log
+])
+def test_the_logger_used_after_the_body_warns_on_the_last_stage_of_replica_0_only(lm_runs, launch, name, devices,
+                                                                                 warned):
+    root = lm_runs(launch)[1] / name
+    for rank in range(devices):
+        messages = (root / f"logger_warnings_{rank}.txt").read_text().splitlines()
+        assert len(messages) == (rank in warned), (rank, messages)
+        if messages:
+            assert messages[0].startswith(f"training_step used the logger's `experiment` after the body call. Under "
+                                          f"PipeStrategy that code runs on the last stage's process (global rank {rank})")
 
 
 def test_data_sharded_by_process_stops_the_fit_with_a_named_error(tmp_path_factory):
