@@ -221,6 +221,21 @@ def test_a_body_with_fewer_layers_than_stages_or_a_short_balance_is_refused_with
         balance_of(nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)]), [2, 2], 2, "blocks", virtual_stages=2)
 
 
+def test_lazy_parameters_are_refused_by_name_before_any_collective():
+    """Regression: torch's "Attempted to use an uninitialized parameter" from the split (DDP refuses them too)."""
+    from lightning_pipe.lightning.layout import plan
+
+    class Lazy(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(*[nn.LazyLinear(4) for _ in range(6)])
+
+    with pytest.raises(ConfigurationError, match=r"uninitialized \(lazy\) parameters or buffers: \['body\.0\.weight', "
+                                                 r"'body\.0\.bias', 'body\.1\.weight', 'body\.1\.bias'\] and 8 more\. "
+                                                 r".*run a dummy forward in __init__"):
+        plan(SimpleNamespace(deferred_batch_norm=False, body=None), Lazy(), None)  # no process group: none used
+
+
 def test_pipe_size_must_divide_the_world_before_any_collective():
     strategy = _strategy(4, 3, 0)
     with mock.patch("torch.distributed.init_process_group") as init:

@@ -54,6 +54,13 @@ def plan(strategy: Any, module: nn.Module, trainer: Any) -> Layout:
     if strategy.deferred_batch_norm:
         DeferredBatchNorm.convert_deferred_batch_norm(module)
     path, body = find_body(module, strategy.body)
+    lazy = [name for name, t in list(module.named_parameters()) + list(module.named_buffers())
+            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:  # every rank has the same module here: all raise, before any collective
+        raise ConfigurationError(
+            f"the model has uninitialized (lazy) parameters or buffers: {lazy[:4]}{f' and {len(lazy) - 4} more' if len(lazy) > 4 else ''}. "
+            "PipeStrategy splits the model by its parameters before the first step, as DDP wraps it; run a dummy "
+            "forward in __init__ (or give the layers their sizes: nn.Linear instead of nn.LazyLinear)")
     built_on_meta = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
     gradients.broadcast_module(module, strategy.root_device)  # every stage and replica starts from rank 0's weights
     balance, costs = strategy.balance, None
