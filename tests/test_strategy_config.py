@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from datetime import timedelta
 from types import SimpleNamespace
@@ -234,6 +235,23 @@ def test_lazy_parameters_are_refused_by_name_before_any_collective():
                                                  r"'body\.0\.bias', 'body\.1\.weight', 'body\.1\.bias'\] and 8 more\. "
                                                  r".*run a dummy forward in __init__"):
         plan(SimpleNamespace(deferred_batch_norm=False, body=None), Lazy(), None)  # no process group: none used
+
+
+def test_a_collective_over_every_process_from_inside_the_step_is_refused_by_name():
+    """Regression: trainer.strategy.barrier() after the body ran on the last stage only and waited until the
+    timeout, then failed with gloo's "Connection closed by peer"."""
+    strategy = PipeStrategy()
+    strategy._runner = SimpleNamespace(in_step=True, hook="training_step")
+    with mock.patch.object(PipeStrategy, "world_size", 2):
+        for call, name in ((lambda: strategy.barrier(), "trainer.strategy.barrier()"),
+                           (lambda: strategy.broadcast(1), "trainer.strategy.broadcast()"),
+                           (lambda: strategy.reduce_boolean_decision(True), "trainer.strategy.reduce_boolean_decision()"),
+                           (lambda: strategy.save_checkpoint({}, "x.ckpt"), "trainer.save_checkpoint()")):
+            with pytest.raises(ConfigurationError, match=rf"training_step called {re.escape(name)}, a collective over "
+                                                         r"every process\. Under PipeStrategy the step runs on the first"):
+                call()
+        strategy._runner.in_step = False
+        strategy.barrier()  # outside the step: the collective (no process group here: nothing to wait for)
 
 
 def test_pipe_size_must_divide_the_world_before_any_collective():

@@ -56,6 +56,7 @@ class StepRunner:
         self.runs_whole_too = False  # this process holds the first and the last stage of a pipeline (ZB-V)
         self.stale: Optional[StaleCopies] = None  # the last stage's copies of what the first stage trains
         self.watch_loggers_on: Optional[int] = None  # global rank of the last stage of replica 0, where not 0
+        self.in_step = False  # the user's step is running (on a stage: the world's collectives are refused)
 
     def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
         """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
@@ -81,7 +82,11 @@ class StepRunner:
         try:
             with watch, logging:
                 with release.reads_recorded():
-                    output = getattr(self.module, self.hook)(batch, *self.hook_args)
+                    self.in_step = True
+                    try:
+                        output = getattr(self.module, self.hook)(batch, *self.hook_args)
+                    finally:
+                        self.in_step = False
                 output = unmark(output, f"returned by {self.hook}")
                 if self.stale is not None and self.stale.active():  # kept for later (shared at the epoch's end)
                     for name, value in self.effects.new_values(snapshot):

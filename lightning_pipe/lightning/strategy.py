@@ -645,7 +645,27 @@ class PipeStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         return super().reduce(tensor, group=self.dp_group if group is None else group, reduce_op=reduce_op)
 
+    def _refuse_in_step(self, what: str) -> None:
+        """A collective over every process, called from the user's step, would wait for stages that never run it."""
+        runner = getattr(self, "_runner", None)
+        if self.pp_size > 1 and runner is not None and runner.in_step:
+            raise ConfigurationError(
+                f"{runner.hook} called {what}, a collective over every process. Under PipeStrategy the step runs on the "
+                "first stage (up to the body) and the last one only, so the other processes would never join it and "
+                "this one would wait until the timeout. Call it from a hook that runs on every process (e.g. "
+                "on_train_batch_end, on_validation_epoch_end); self.all_gather and self.log(sync_dist=True) are fine "
+                "in the step (they run over the replicas of the stage)")
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_in_step("trainer.strategy.barrier()")
+        super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._refuse_in_step("trainer.strategy.broadcast()")
+        return super().broadcast(obj, src)
+
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        self._refuse_in_step("trainer.strategy.reduce_boolean_decision()")
         summed = super().reduce(torch.tensor(int(decision), device=self.root_device), group=dist.group.WORLD,
                                 reduce_op="sum")
         return bool(summed == self.world_size) if all else bool(summed)
@@ -685,6 +705,7 @@ class PipeStrategy(DDPStrategy):
                                                  gather=not self._sharded)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self._refuse_in_step("trainer.save_checkpoint()")
         if "current_model_state" in checkpoint and self.split is not None and self.split.installed:
             # a WeightAveraging callback put its averaged copy of this rank's tensors there: the whole one instead
             averaged = averaging.averaged_state(self.lightning_module.trainer.callbacks, self.lightning_module,
