@@ -9,9 +9,10 @@ affected: its values are gathered to every rank (see :mod:`.logs`).
 
 Writing from the last stage instead would open a second writer (a second wandb or MLflow run, a
 CSV file written by two processes), so nothing is sent; :func:`watched` warns once instead,
-naming what was used and where to move it. Reading the logger (``save_dir``, ``log_dir``) does not
-warn, and neither does a use before the body call, which the first stage (global rank 0) runs too. It wraps the trainer's loggers while the last stage
+naming what was used and where to move it. It wraps the trainer's loggers while the last stage
 runs the user's step, on the pipeline of replica 0 when its last stage is not global rank 0.
+Reading the logger (``save_dir``, ``log_dir``) does not warn, and neither does a use before the
+body call, which the first stage (global rank 0) runs too.
 """
 
 from __future__ import annotations
