@@ -44,7 +44,7 @@ Value = Tuple[Tuple[Tuple[float, float, float], ...], int]  # per tensor (sum, s
 class Fingerprint:
     """A batch's fingerprint: per sampled tensor a weighted sum and the sum of magnitudes; the structure."""
 
-    __slots__ = ("_sums", "_tolerances", "_structure", "_copies")
+    __slots__ = ("_tolerances", "_structure", "_copies")
 
     def __init__(self, sums: List[torch.Tensor], tolerances: List[float], structure: str) -> None:
         self._tolerances = tolerances
@@ -53,7 +53,6 @@ class Fingerprint:
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
         for s in sums:
             by_device.setdefault(s.device, []).append(s)
-        self._sums = list(by_device.values())
         for device, group in by_device.items():
             stacked = torch.stack(group)
             if device.type == "cuda":
@@ -98,8 +97,8 @@ def _walk(value: Any, sums: List[torch.Tensor], tolerances: List[float], parts: 
         readable = value.layout == torch.strided and not value.is_nested and not value.is_quantized
         if readable and len(sums) < TENSORS:  # a sparse, nested or quantized tensor: its shape only
             sums.append(_tensor_sums(value))
-            tolerances.append(_ULPS * torch.finfo(value.dtype).eps if value.dtype.is_floating_point or value.is_complex()
-                              else _EXACT)
+            inexact = value.dtype.is_floating_point or value.is_complex()
+            tolerances.append(_ULPS * torch.finfo(value.dtype).eps if inexact else _EXACT)
     elif isinstance(value, Mapping):
         for key, item in value.items():
             parts.append(f"K{key!r}")

@@ -57,8 +57,9 @@ def plan(strategy: Any, module: nn.Module, trainer: Any) -> Layout:
     lazy = [name for name, t in list(module.named_parameters()) + list(module.named_buffers())
             if isinstance(t, nn.parameter.UninitializedTensorMixin)]
     if lazy:  # every rank has the same module here: all raise, before any collective
+        more = f" and {len(lazy) - 4} more" if len(lazy) > 4 else ""
         raise ConfigurationError(
-            f"the model has uninitialized (lazy) parameters or buffers: {lazy[:4]}{f' and {len(lazy) - 4} more' if len(lazy) > 4 else ''}. "
+            f"the model has uninitialized (lazy) parameters or buffers: {lazy[:4]}{more}. "
             "PipeStrategy splits the model by its parameters before the first step, as DDP wraps it; run a dummy "
             "forward in __init__ (or give the layers their sizes: nn.Linear instead of nn.LazyLinear)")
     built_on_meta = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))

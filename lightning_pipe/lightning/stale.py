@@ -19,7 +19,8 @@ noting is all: after it (:meth:`StaleCopies.learn`), each noted module the last 
 train (whose gradients it neither computes nor gets summed in) is kept equal to the first stage's
 copy, sent before every training step that follows an optimizer step (:meth:`StaleCopies.refresh`).
 A module whose marked values first reach a sink later (code under ``if batch_idx % 100 == 50``)
-raises :class:`~lightning_pipe.errors.StaleValueError` instead of computing with an old copy. Printing a marked value (``repr``, ``format``) is not a sink.
+raises :class:`~lightning_pipe.errors.StaleValueError` instead of computing with an old copy.
+Printing a marked value (``repr``, ``format``) is not a sink.
 Evaluation steps follow nothing: before the first evaluation step after an optimizer step, every
 copy the last stage does not train is refreshed (once per validation loop, not per step).
 

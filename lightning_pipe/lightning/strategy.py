@@ -192,6 +192,7 @@ class PipeStrategy(DDPStrategy):
         self._ties: Optional[TiedGradients] = None
         self._stale: Optional[StaleCopies] = None
         self._pending_grads: Dict[torch.nn.Parameter, Optional[torch.Tensor]] = {}
+        self._runner: Optional[StepRunner] = None
         self._train_ended = True  # False from the setup of a fit to its on_train_end
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
@@ -647,7 +648,7 @@ class PipeStrategy(DDPStrategy):
 
     def _refuse_in_step(self, what: str) -> None:
         """A collective over every process, called from the user's step, would wait for stages that never run it."""
-        runner = getattr(self, "_runner", None)
+        runner = self._runner
         if self.pp_size > 1 and runner is not None and runner.in_step:
             raise ConfigurationError(
                 f"{runner.hook} called {what}, a collective over every process. Under PipeStrategy the step runs on the "
