@@ -39,12 +39,14 @@ class Tie:
         return self.stages[0]
 
 
-def find_ties(module: nn.Module, stages_of: Callable[[str], Iterable[int]]) -> List[Tie]:
+def find_ties(module: nn.Module, stages_of: Callable[[str], Iterable[int]], aliases_of: Sequence[str] = ()) -> List[Tie]:
     """The parameters of ``module`` registered under several names, with the stages holding each.
 
     Args:
         module: the whole, unpartitioned model.
         stages_of: the stages that hold the parameter name given (a name's module's stages).
+        aliases_of: paths of modules registered a second time under another name
+            (``self.backbone = self.body``): names under them are that same layer, not a tie.
 
     Example:
         >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
@@ -52,8 +54,10 @@ def find_ties(module: nn.Module, stages_of: Callable[[str], Iterable[int]]) -> L
         >>> find_ties(model, lambda name: [int(name[0])])
         [Tie(names=('0.weight', '1.weight'), stages=(0, 1))]
     """
+    skipped = tuple(path + "." for path in aliases_of)
+    found = [[name for name in names if not name.startswith(skipped)] for names in find_shared_parameters(module)]
     return [Tie(tuple(names), tuple(sorted({s for name in names for s in stages_of(name)})))
-            for names in find_shared_parameters(module)]
+            for names in found if len(names) > 1]
 
 
 def aliases(ties: Sequence[Tie]) -> Dict[str, str]:

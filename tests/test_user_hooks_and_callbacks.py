@@ -6,9 +6,12 @@ Its ``main`` (``kind`` "pipe" or "ddp") runs in the shared launches of ``tests/l
 - ``on_before_optimizer_step`` calls ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` itself
   and logs what it returns, plus ``get_total_norm`` of a subset (the body's gradients, inf-norm)
   and of every gradient (1-norm): each must be the whole model's, as under DDP;
-- a ``BaseFinetuning`` callback freezes the head before training and adds it as a new param group
-  at epoch 1 (the head is released, meta, on the first stage by then);
-- the checkpoint saved after that epoch holds both param groups and resumes to DDP's weights.
+- a ``BaseFinetuning`` callback freezes the head and the body (through an alias, ``self.backbone``,
+  as ``BackboneFinetuning`` wants it) before training and adds both as a new param group at epoch 1
+  (the head is released, meta, on the first stage by then);
+- the checkpoint saved after that epoch holds both param groups and resumes to DDP's weights;
+- ``ReduceLROnPlateau`` on a metric the last stage logs, ``LearningRateMonitor`` and
+  ``GradientAccumulationScheduler`` run as under DDP (the learning rates are logged rows).
 
 LBFGS, stochastic weight averaging and pruning callbacks are refused at setup without a launch.
 """
@@ -31,7 +34,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import (  # noqa: E402
-    BaseFinetuning, EMAWeightAveraging, ModelCheckpoint, ModelPruning, StochasticWeightAveraging)
+    BaseFinetuning, EMAWeightAveraging, GradientAccumulationScheduler, LearningRateMonitor, ModelCheckpoint,
+    ModelPruning, StochasticWeightAveraging)
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from lightning_pipe import ConfigurationError, PipeStrategy  # noqa: E402
@@ -65,6 +69,7 @@ class Model(pl.LightningModule):
         self.embed = nn.Linear(4, 8)
         self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
         self.head = nn.Linear(8, 1)
+        self.backbone = self.body  # the same module under a second name (BackboneFinetuning's)
 
     def forward(self, x):
         return self.head(self.body(self.embed(x))).squeeze(-1)
@@ -83,16 +88,19 @@ class Model(pl.LightningModule):
         self.log_dict({"user_norm": norm, "body_inf_norm": body_inf, "clipped_one_norm": all_one})
 
     def configure_optimizers(self):
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
+        optimizer = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
+        # mode="max" on a falling loss: the rate halves after every epoch but the first
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=0, factor=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss"}}
 
 
-class UnfreezeHead(BaseFinetuning):
+class UnfreezeHeadAndBackbone(BaseFinetuning):
     def freeze_before_training(self, pl_module):
-        self.freeze(pl_module.head)
+        self.freeze([pl_module.head, pl_module.backbone])
 
     def finetune_function(self, pl_module, current_epoch, optimizer):
         if current_epoch == 1:
-            self.unfreeze_and_add_param_group(pl_module.head, optimizer, lr=0.1)
+            self.unfreeze_and_add_param_group([pl_module.head, pl_module.backbone], optimizer, lr=0.1)
 
 
 def _loader():
@@ -110,7 +118,8 @@ def _fit(kind, folder, resume=None):
     trainer = pl.Trainer(
         accelerator="cpu", devices=2 if kind == "pipe" else 1, strategy=strategy, max_epochs=3, logger=rows,
         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
-        callbacks=[UnfreezeHead(), ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1)],
+        callbacks=[UnfreezeHeadAndBackbone(), ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1),
+                   LearningRateMonitor(logging_interval="step"), GradientAccumulationScheduler({1: 2})],
     )
     trainer.fit(model, _loader(), ckpt_path=resume)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -157,11 +166,14 @@ def test_a_users_clip_grad_norm_and_get_total_norm_take_the_whole_models_norm(ru
     _assert_weights(pipe["weights"], ddp["weights"])
 
 
-def test_base_finetuning_adds_a_released_module_as_a_param_group_as_under_ddp(runs):
-    """Regression: unfreeze_and_add_param_group crashed in filter_on_optimizer (torch.equal on meta tensors)."""
+def test_base_finetuning_adds_a_released_module_and_the_body_as_a_param_group_as_under_ddp(runs):
+    """Regressions: unfreeze_and_add_param_group crashed in filter_on_optimizer (torch.equal on meta tensors);
+    unfreezing the body crashed in BaseFinetuning._store (KeyError: other stages' layers have no name here)."""
     pipe, ddp = runs
     groups = [[len(g["params"]), g["lr"]] for g in ddp["checkpoint"]["optimizer_states"][0]["param_groups"]]
-    assert groups == [[6, 0.2], [2, 0.1]]
+    assert groups == [[2, 0.2], [6, 0.1]]
+    rates = {(r.get("lr-SGD"), r.get("lr-SGD/pg1"), r.get("lr-SGD/pg2")) for r in ddp["rows"]} - {(None,) * 3}
+    assert rates == {(0.2, None, None), (None, 0.2, 0.1), (None, 0.1, 0.05)}  # the group added, the plateau's cut
     assert any("user_norm" in r and r["epoch"] == 2 for r in ddp["rows"])
     _assert_weights(pipe["weights"], ddp["weights"])
 

@@ -48,6 +48,7 @@ def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Mo
 
     Candidates are the ``nn.Sequential`` and ``nn.ModuleList`` submodules not nested in another
     candidate. With several, the one holding more than half of the module's parameters is the body.
+    A body registered under several names is returned under the first (see :func:`body_paths`).
 
     Raises:
         ConfigurationError: the named body is not a Sequential/ModuleList, or no single candidate, or the
@@ -55,7 +56,13 @@ def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Mo
     """
     path, found = _locate(module, body)
     _refuse_compiled(module, path)
-    return path, found
+    return body_paths(module, found)[0], found
+
+
+def body_paths(module: nn.Module, body: nn.Module) -> List[str]:
+    """Every attribute path under which ``body`` is registered in ``module`` (``self.backbone = self.body``),
+    in ``named_modules`` order: the first is the one its layers are named under in ``named_modules()``."""
+    return [name for name, sub in module.named_modules(remove_duplicate=False) if sub is body]
 
 
 def _refuse_compiled(module: nn.Module, path: str) -> None:

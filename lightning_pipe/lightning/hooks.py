@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_pipe import gradients
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.lightning.logs import LogRecorder, combine_stages, replay
+from lightning_pipe.lightning.state import merge_orders
 
 
 class BodySwap(Callback):
@@ -264,6 +265,7 @@ def support_finetuning(strategy: Any, callbacks: List[Callback]) -> None:
     """Make each ``BaseFinetuning`` callback work on a split module.
 
     - its ``on_train_epoch_start`` (which runs ``finetune_function``) sees :func:`finetuning_filter`;
+    - the param groups it records name this rank's parameters only (:func:`_local_params_only`);
     - its ``state_dict`` (the param groups it added, by parameter name, which it restores on resume)
       names the parameters of every stage, not only this rank's: a collective, which Lightning calls
       on every rank when it saves a checkpoint. :meth:`PipeStrategy.load_optimizer_state_dict` restores
@@ -274,6 +276,7 @@ def support_finetuning(strategy: Any, callbacks: List[Callback]) -> None:
             continue
         callback._pipe_strategy = strategy
         callback.on_train_epoch_start = _with_filter(type(callback).on_train_epoch_start.__get__(callback))
+        callback._store = _local_params_only(type(callback)._store.__get__(callback))
         callback.state_dict = _whole_model_groups(strategy, type(callback).state_dict.__get__(callback))
 
 
@@ -281,6 +284,18 @@ def _with_filter(method: Callable) -> Callable:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with finetuning_filter():
             return method(*args, **kwargs)
+    return wrapped
+
+
+def _local_params_only(store: Callable) -> Callable:
+    """``BaseFinetuning._store`` names each param group's parameters with the module's ``named_parameters()``;
+    a group over the body (``unfreeze_and_add_param_group(pl_module.backbone, ...)``) also holds the meta copies
+    of other stages' layers (the stand-in iterates the whole body), which have no name here: left out, the
+    other stages name them (:func:`_whole_model_groups` merges the names)."""
+    def wrapped(pl_module: Any, opt_idx: int, num_param_groups: int, current_param_groups: list) -> None:
+        named = {id(p) for p in pl_module.parameters()}
+        groups = [{**g, "params": [p for p in g["params"] if id(p) in named]} for g in current_param_groups]
+        store(pl_module, opt_idx, num_param_groups, groups)
     return wrapped
 
 
@@ -293,7 +308,6 @@ def _whole_model_groups(strategy: Any, state_dict: Callable) -> Callable:
             return state
         per_stage: List[Any] = [None] * strategy.pp_size
         dist.all_gather_object(per_stage, metadata, group=strategy.pp_group)
-        order = {name: i for i, name in enumerate(split.parameter_order)}
         merged: Dict[int, List[Dict[str, Any]]] = {}
         for opt_idx in sorted({k for stage in per_stage for k in stage}):
             stages = [stage[opt_idx] for stage in per_stage if opt_idx in stage]
@@ -304,8 +318,8 @@ def _whole_model_groups(strategy: Any, state_dict: Callable) -> Callable:
                     "every stage holds (outside the body, or the whole body)")
             groups = []
             for g, group in enumerate(stages[0]):
-                names = {split.canonical(n) for groups_ in stages for n in groups_[g]["params"]}
-                groups.append({**group, "params": sorted(names, key=lambda n: order.get(n, len(order)))})
+                names = [[split.canonical(n) for n in groups_[g]["params"]] for groups_ in stages]
+                groups.append({**group, "params": merge_orders(names, split.parameter_order)})
             merged[opt_idx] = groups
         return {**state, "internal_optimizer_metadata": merged}
     return whole

@@ -33,7 +33,7 @@ from torch import nn
 
 from lightning_pipe.errors import ConfigurationError, PartitionError
 from lightning_pipe.lightning import release
-from lightning_pipe.lightning.body import PipelinedSequential, StandIn, set_submodule
+from lightning_pipe.lightning.body import PipelinedSequential, StandIn, body_paths, set_submodule
 from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
 from lightning_pipe.partition import SequentialModel, balance_by_parameters, check_balance, split_points
 from lightning_pipe.ties import Tie, aliases, find_ties
@@ -83,6 +83,7 @@ class SplitModel:
         self.num_stages = len(self.stage_ranks)
         self.balance = check_balance(balance, len(names), self.num_stages)
         self.path, self.body, self.names = path, body, names
+        self.paths = body_paths(module, body)  # the body's aliases too: each gets the stand-in, so every name calls it
         self.pp_rank, self.pp_size = pp_rank, max(self.stage_ranks) + 1
         self.local_stages = tuple(s for s, r in enumerate(self.stage_ranks) if r == pp_rank)
         self.first_rank, self.last_rank = self.stage_ranks[0], self.stage_ranks[-1]
@@ -92,7 +93,7 @@ class SplitModel:
         self.parameter_order = [n for n, _ in module.named_parameters()]
         self.key_order = list(module.state_dict())
         self.key_aliases = _key_aliases(module)
-        self.ties: List[Tie] = find_ties(module, self.ranks_of)
+        self.ties: List[Tie] = find_ties(module, self.ranks_of, aliases_of=self.paths[1:])
         self.aliases = aliases(self.ties)
         self.owner: Dict[str, int] = {}
         self.users: Dict[str, Set[int]] = {}  # outside the body: the ranks that train each parameter (learned)
@@ -213,7 +214,8 @@ class SplitModel:
 
     def install(self, whole: bool) -> None:
         """Put the whole body (``whole``) or this stage's stand-in into the module."""
-        set_submodule(self.module, self.path, self.body if whole else self.stand_in)
+        for path in self.paths:
+            set_submodule(self.module, path, self.body if whole else self.stand_in)
 
     @property
     def installed(self) -> bool:

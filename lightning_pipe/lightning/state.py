@@ -2,9 +2,9 @@
 
 A checkpoint written under PipeStrategy is an ordinary Lightning checkpoint: the unpartitioned
 model's ``state_dict`` keys, and each optimizer's state in the layout the unpartitioned model's
-optimizer would have (parameters numbered in ``named_parameters()`` order within each param group).
-The layout is computed from parameter *names*, so a checkpoint moves between plain training and
-any number of stages.
+optimizer would have (parameters numbered in each param group's own order, which every stage
+reports for the parameters it can name: see :func:`full_layout`). The layout is computed from
+parameter *names*, so a checkpoint moves between plain training and any number of stages.
 """
 
 from __future__ import annotations
@@ -46,13 +46,44 @@ def group_names(optimizer: Optimizer, names: Mapping[int, str]) -> List[List[str
 
 
 def full_layout(per_stage: Sequence[List[List[str]]], order: Sequence[str]) -> List[List[str]]:
-    """Each param group's names across all stages, in the unpartitioned model's parameter order."""
+    """Each param group's names across all stages, in the unpartitioned model's group order.
+
+    Every stage lists a group's names in the group's own order (the user's, as in
+    ``[*head.parameters(), *backbone.parameters()]``), each stage those it can name; the merge keeps
+    every stage's order, and puts names no stage orders against each other in ``order`` (the
+    model's ``named_parameters()`` order).
+    """
+    return [merge_orders([stage[g] for stage in per_stage], order) for g in range(len(per_stage[0]))]
+
+
+def merge_orders(lists: Sequence[Sequence[str]], order: Sequence[str]) -> List[str]:
+    """The names of ``lists`` in one order that keeps each list's (ties, and disagreements, by ``order``).
+
+    Example:
+        >>> merge_orders([["head.w", "body.0.w"], ["head.w", "body.2.w"]], ["body.0.w", "body.2.w", "head.w"])
+        ['head.w', 'body.0.w', 'body.2.w']
+    """
     rank_of = {name: i for i, name in enumerate(order)}
-    layout = []
-    for g in range(len(per_stage[0])):
-        members = {name for stage in per_stage for name in stage[g]}
-        layout.append(sorted(members, key=lambda n: rank_of.get(n, len(rank_of))))
-    return layout
+    key = lambda name: (rank_of.get(name, len(rank_of)), name)  # noqa: E731
+    after: Dict[str, set] = {}
+    before_count: Dict[str, int] = {}
+    for names in lists:
+        for name in names:
+            after.setdefault(name, set())
+            before_count.setdefault(name, 0)
+        for a, b in zip(names, names[1:]):
+            if b not in after[a]:
+                after[a].add(b)
+                before_count[b] += 1
+    merged, left = [], set(after)
+    while left:
+        ready = [n for n in left if before_count[n] == 0] or list(left)  # stages disagree: fall back to `order`
+        name = min(ready, key=key)
+        merged.append(name)
+        left.discard(name)
+        for b in after[name]:
+            before_count[b] -= 1
+    return merged
 
 
 def optimizer_contribution(optimizer: Optimizer, names: Mapping[int, str], owned: set) -> Dict[str, Any]:
@@ -139,7 +170,13 @@ class Checkpoints:
         self.layouts: List[List[List[str]]] = []
 
     def _names(self) -> Dict[int, str]:
-        return parameter_names(self.module, self.split.canonical)
+        """``id -> canonical name`` of the parameters this rank's optimizers can hold: its module's, and the
+        released (meta) copies of other stages' layers, which the stand-in presents (``self.body[-1]``)."""
+        names = parameter_names(self.module, self.split.canonical)
+        split = self.split
+        for name, p in split.body.named_parameters(prefix=split.path, remove_duplicate=False):
+            names.setdefault(id(p), split.canonical(name))
+        return names
 
     def record_layouts(self, optimizers: Sequence[Optimizer]) -> None:
         """Each optimizer's param groups over all stages, by canonical name (a collective)."""
@@ -194,7 +231,7 @@ class Checkpoints:
         if not os.path.isdir(path):
             return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
         templates = {k: v for k, v in self.module.state_dict().items() if not v.is_meta}
-        names = self._names()
+        names = parameter_names(self.module, self.split.canonical)  # not the other stages' layers: not read here
         wanted = [[n for group in group_names(o, names) for n in group] for o in optimizers] if optimizers else None
         checkpoint = load_sharded(path, templates, wanted, layouts=self.layouts if optimizers else None,
                                   expected_keys=self.split.key_order, strict=strict, weights_only=weights_only)
