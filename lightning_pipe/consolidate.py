@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from lightning_pipe.sharded import INFO, META, CheckpointError, Contents, _nest, _raise_if, _read, inspect
+from lightning_pipe.sharded import CURRENT, INFO, META, CheckpointError, Contents, _nest, _raise_if, _read, inspect
 
 
 def read_info(path: Union[str, Path]) -> Dict[str, Any]:
@@ -72,7 +72,9 @@ def consolidate(path: Union[str, Path], out: Optional[Union[str, Path]] = None,
 
     Returns:
         Lightning's checkpoint dict: the metadata, ``state_dict`` (every key, in the model's order
-        when the save passed ``expected_keys``) and ``optimizer_states``.
+        when the save passed ``expected_keys``), ``optimizer_states`` and, when saved with a
+        weight averaging callback, ``current_model_state`` (the current weights; ``state_dict``
+        holds the averages).
 
     Raises:
         MissingShardError: a shard file is missing or truncated.
@@ -90,6 +92,8 @@ def consolidate(path: Union[str, Path], out: Optional[Union[str, Path]] = None,
     keys = sorted(contents.model, key=lambda k: (order.get(k, len(order)), k))
     state_dict = {key: values[contents.model[key]] for key in keys}
     _retie(state_dict, info.get("aliases", {}))
+    current = {key: values[contents.current[key]] for key in keys if key in contents.current}
+    _retie(current, info.get("aliases", {}))
     optimizer_states: List[Dict[str, Any]] = []
     for i, entries in enumerate(contents.groups):
         groups: List[Dict[str, Any]] = []
@@ -102,6 +106,8 @@ def consolidate(path: Union[str, Path], out: Optional[Union[str, Path]] = None,
         optimizer_states.append(numbered(state, groups))
     checkpoint = torch.load(path / META, map_location="cpu", weights_only=bool(weights_only))
     checkpoint.update(state_dict=state_dict, optimizer_states=optimizer_states)
+    if current:
+        checkpoint[CURRENT] = current
     if out is not None:
         torch.save(checkpoint, out)
     return checkpoint

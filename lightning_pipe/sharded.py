@@ -17,6 +17,8 @@ Entries are keyed by the *unpartitioned* model's names, so a checkpoint written 
 loads under any ``pipe_size`` x dp (resharding is loading other keys):
 
     model.<state-dict key>                               every tensor of the model
+    current_model_state.<state-dict key>                 with a weight averaging callback (``model`` then
+                                                         holds the averages): the current weights
     optimizer_<i>.state.<parameter name>.<state key>     e.g. ``optimizer_0.state.layers.3.weight.exp_avg``
     optimizer_<i>.param_groups.<g>.<hyperparameter>      ``params`` is the group's parameter names
 
@@ -45,6 +47,7 @@ FORMAT = 1
 META = "meta.pt"  # Lightning's name (lightning.fabric.utilities.load._METADATA_FILENAME)
 INFO = "pipe.json"
 INDEX = ".metadata"  # DCP's name
+CURRENT = "current_model_state"  # Lightning's WeightAveraging: the current weights beside the averaged ones
 
 Problem = Tuple[str, str]  # ("missing" | "mismatch", text)
 
@@ -140,6 +143,7 @@ class Contents:
     Attributes:
         metadata: DCP's index.
         model: ``{state-dict key: fqn}``.
+        current: ``{state-dict key: fqn}`` of the current weights saved beside averaged ones (else empty).
         state: per optimizer, ``{parameter name: [(fqn, path below the name)]}``.
         groups: per optimizer, ``[(fqn, path below param_groups)]``.
     """
@@ -147,12 +151,15 @@ class Contents:
     def __init__(self, metadata: Metadata) -> None:
         self.metadata = metadata
         self.model: Dict[str, str] = {}
+        self.current: Dict[str, str] = {}
         state: Dict[int, Dict[str, List[Tuple[str, tuple]]]] = {}
         groups: Dict[int, List[Tuple[str, tuple]]] = {}
         for fqn, path in (metadata.planner_data or {}).items():  # fqn -> the keys that led to the entry
             head = str(path[0])
             if head == "model" and len(path) == 2:
                 self.model[str(path[1])] = fqn
+            elif head == CURRENT and len(path) == 2:
+                self.current[str(path[1])] = fqn
             elif head.startswith("optimizer_") and head[len("optimizer_"):].isdigit() and len(path) > 2:
                 index = int(head[len("optimizer_"):])
                 if path[1] == "state" and len(path) > 3:
@@ -240,7 +247,8 @@ def _union_problems(keys_per_rank: Sequence[Sequence[str]], expected_keys: Seque
 def save_sharded(path: Union[str, Path], module_state: Mapping[str, Any],
                  optimizer_states: Sequence[Mapping[str, Any]] = (), layouts: Sequence[Sequence[Sequence[str]]] = (),
                  metadata: Optional[Mapping[str, Any]] = None, *, aliases: Optional[Mapping[str, str]] = None,
-                 expected_keys: Optional[Sequence[str]] = None, group: Any = None) -> None:
+                 expected_keys: Optional[Sequence[str]] = None, current_state: Optional[Mapping[str, Any]] = None,
+                 group: Any = None) -> None:
     """Write a sharded checkpoint; a collective over ``group``: every rank writes only what it passes.
 
     Args:
@@ -256,6 +264,8 @@ def save_sharded(path: Union[str, Path], module_state: Mapping[str, Any],
             that passes its key, so the directory holds every key of the model.
         expected_keys: the unpartitioned model's keys (aliases included); if given, the ranks
             together must pass exactly these (checked before anything is written).
+        current_state: with a weight averaging callback, whose averages ``module_state`` then
+            holds: the current weights, under the same keys as ``module_state``.
         group: the process group of every rank that saves (default: the world).
 
     Raises:
@@ -274,6 +284,9 @@ def save_sharded(path: Union[str, Path], module_state: Mapping[str, Any],
     path, aliases = Path(path), dict(aliases or {})
     try:  # whatever goes wrong here must reach the exchange, or the other ranks would wait forever
         problems = _save_problems(path, module_state, optimizer_states, layouts)
+        if current_state is not None and set(current_state) != set(module_state):
+            problems.append(("mismatch", "the current weights' keys differ from the averaged ones': "
+                                         f"{_few(sorted(set(current_state) ^ set(module_state)))}"))
     except Exception as error:
         problems = [("mismatch", f"cannot check what to save: {type(error).__name__}: {error}")]
     verdicts = _exchange((problems, sorted(module_state) if expected_keys is not None else []), group)
@@ -286,9 +299,9 @@ def save_sharded(path: Union[str, Path], module_state: Mapping[str, Any],
         torch.save(dict(metadata or {}), path / META)
         info = {"format": FORMAT, "aliases": aliases, "keys": list(expected_keys or [])}
         (path / INFO).write_text(json.dumps(info, indent=1))
-    model = dict(module_state)
-    model.update((alias, model[key]) for alias, key in aliases.items() if key in model and alias not in model)
-    state: Dict[str, Any] = {"model": model}
+    state: Dict[str, Any] = {"model": _with_aliases(module_state, aliases)}
+    if current_state is not None:
+        state[CURRENT] = _with_aliases(current_state, aliases)
     for i, (optimizer, layout) in enumerate(zip(optimizer_states, layouts)):
         state[f"optimizer_{i}"] = {"state": dict(optimizer["state"])}
         if first:  # the hyperparameters and the whole layout, once
@@ -296,6 +309,12 @@ def save_sharded(path: Union[str, Path], module_state: Mapping[str, Any],
                                                        for g, names in zip(optimizer["groups"], layout)]
     with _quiet():
         dcp.save(state, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+
+
+def _with_aliases(tensors: Mapping[str, Any], aliases: Mapping[str, str]) -> Dict[str, Any]:
+    out = dict(tensors)
+    out.update((alias, out[key]) for alias, key in aliases.items() if key in out and alias not in out)
+    return out
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -409,7 +428,9 @@ def load_sharded(path: Union[str, Path], module_state: Dict[str, Any],
         Lightning's checkpoint dict for this rank: the metadata, ``"state_dict"`` (``module_state``)
         and, with ``optimizer_names``, ``"optimizer_states"``: per optimizer
         ``{"state": {name: {...}}, "param_groups": [...]}`` keyed by parameter name, with this
-        rank's names only and each group's ``params`` listing the checkpoint's names.
+        rank's names only and each group's ``params`` listing the checkpoint's names; and, when the
+        checkpoint holds current weights beside averaged ones (``"state_dict"`` then holds the
+        averages), ``"current_model_state"``: new tensors like ``module_state``'s, under its keys.
 
     Raises:
         MissingShardError: a shard file is missing or truncated, or nothing is at ``path``.
@@ -436,11 +457,16 @@ def load_sharded(path: Union[str, Path], module_state: Dict[str, Any],
     requests = {fqn: module_state[key] if isinstance(module_state[key], torch.Tensor) else None
                 for key, fqn in fqns.items()}
     requests.update(_optimizer_requests(contents, optimizer_names or [], device))
+    current = {key: contents.current[key] for key in fqns if key in contents.current} if contents.current else {}
+    requests.update((fqn, torch.empty_like(module_state[key]) if isinstance(module_state[key], torch.Tensor) else None)
+                    for key, fqn in current.items())
     _read(path, requests)
     for key, fqn in fqns.items():
         module_state[key] = requests[fqn]  # tensors were filled in place; objects are new
     checkpoint = torch.load(path / META, map_location="cpu", weights_only=bool(weights_only))
     checkpoint["state_dict"] = module_state
+    if contents.current:
+        checkpoint[CURRENT] = {key: requests[fqn] for key, fqn in current.items()}
     if optimizer_names is not None:
         checkpoint["optimizer_states"] = []
         for i, names in enumerate(optimizer_names):

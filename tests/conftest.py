@@ -49,6 +49,8 @@ LM_LAUNCHES = {
         _spec("sum_ddp2", "sum", "ddp", 2, epochs=3),
         dict(name="test_weight_averaging_ddp2", app="test_weight_averaging", strategy="ddp2", devices=2),
         dict(name="test_weight_averaging_1x2", app="test_weight_averaging", strategy="pipe1x2", devices=2),
+        dict(name="test_weight_averaging_pipe_sharded", app="test_weight_averaging", strategy="pipe_sharded",
+             devices=2),
         dict(name="test_data_loading_ddp2", app="test_data_loading", strategy="ddp2", devices=2),
         # interleaved 1F1B, 2 stages per process; the resume writes sharded checkpoints
         _spec("llama_p2v2", "llama", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2),

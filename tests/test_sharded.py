@@ -292,3 +292,32 @@ def test_strict_false_loads_the_keys_both_have_and_a_truncated_shard_is_named(pl
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(MissingShardError, match=r"__0_0.distcp` is truncated \(100 bytes"):
         load_sharded(tmp_path / "cut", {"body.0.weight": torch.zeros(4, 4)})
+
+
+def test_current_weights_beside_averaged_ones_are_sharded_read_back_and_consolidated(tmp_path):
+    """A weight averaging callback's checkpoint: ``state_dict`` holds the averages, ``current_model_state`` the
+    current weights (refused with sharded checkpoints before); both ways of consolidating give both back."""
+    averaged = {"w": torch.ones(2, 3), "tied": torch.zeros(3), "b": torch.full((3,), 2.0)}
+    current = {k: v + 10 for k, v in averaged.items()}
+    save_sharded(tmp_path / "ckpt", averaged, metadata={"averaging_state": {"n_averaged": torch.tensor(3)}},
+                 aliases={"also_w": "w"}, expected_keys=["w", "tied", "b", "also_w"], current_state=current)
+    templates = {k: torch.zeros_like(v) for k, v in averaged.items()}
+    loaded = load_sharded(tmp_path / "ckpt", {"w": templates["w"], "b": templates["b"]}, strict=False)
+    assert torch.equal(templates["w"], averaged["w"]) and set(loaded["current_model_state"]) == {"w", "b"}
+    assert torch.equal(loaded["current_model_state"]["b"], current["b"])
+    assert loaded["current_model_state"]["w"].data_ptr() != templates["w"].data_ptr()  # new tensors, not the model's
+
+    ours = consolidate(tmp_path / "ckpt")
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+
+    theirs = _format_checkpoint(_load_distributed_checkpoint(tmp_path / "ckpt"))
+    for whole in (ours, theirs):
+        assert set(whole["current_model_state"]) == {"w", "tied", "b", "also_w"}
+        for key, value in {**current, "also_w": current["w"]}.items():
+            assert torch.equal(whole["current_model_state"][key], value), key
+        assert torch.equal(whole["state_dict"]["also_w"], averaged["w"])
+    assert ours["current_model_state"]["also_w"].data_ptr() == ours["current_model_state"]["w"].data_ptr()  # once
+
+    with pytest.raises(CheckpointMismatchError, match=r"the current weights' keys differ from the averaged ones'"):
+        save_sharded(tmp_path / "bad", averaged, current_state={"w": current["w"]})

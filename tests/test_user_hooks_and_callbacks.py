@@ -242,18 +242,6 @@ def test_callbacks_that_need_the_whole_model_in_one_process_are_refused_at_setup
             _setup(strategy, Model(), [callback()])
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_weight_averaging_with_sharded_checkpoints_is_refused_at_setup_before_any_collective(rank):
-    """EMAWeightAveraging is supported (tests/test_weight_averaging.py), with whole checkpoints only."""
-    strategy = _strategy(rank)
-    strategy.state_dict_type = "sharded"
-    with mock.patch("torch.distributed.all_gather_object", side_effect=AssertionError("a collective")), \
-            mock.patch("torch.distributed.broadcast", side_effect=AssertionError("a collective")):
-        with pytest.raises(ConfigurationError, match=r"EMAWeightAveraging with sharded checkpoints is not supported "
-                                                     r"yet .* use PipeStrategy\(state_dict_type='full'\)"):
-            _setup(strategy, Model(), [EMAWeightAveraging(decay=0.5)])
-
-
 def test_clip_grad_norm_is_torchs_own_outside_the_gradient_hooks():
     from torch.nn.utils import clip_grad
 

@@ -33,13 +33,15 @@ def test_the_stage_copy_holds_real_tensors_only_where_the_module_does():
 
 # -- against DDP (in the shared launches) -----------------------------------------------------------
 def main(kind: str, root: str, out: str) -> None:
-    """The app trained under DDP (1 device, ``kind="ddp"``; 2: ``"ddp2"``) and PipeStrategy (2 stages, ``"pipe"``;
-    2 stages x 2 replicas: ``"pipe2x2"``; 1 stage x 2 replicas: ``"pipe1x2"``)."""
+    """The app trained under DDP (1 device, ``kind="ddp"``; 2: ``"ddp2"``) and PipeStrategy (2 stages, ``"pipe"``,
+    or with sharded checkpoints ``"pipe_sharded"``; 2 stages x 2 replicas: ``"pipe2x2"``; 1 stage x 2 replicas:
+    ``"pipe1x2"``)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
 
     import lightning_pipe
+    from lightning_pipe.consolidate import consolidate
     from tests.models import regression_data
 
     class Model(pl.LightningModule):
@@ -81,9 +83,10 @@ def main(kind: str, root: str, out: str) -> None:
         pl.seed_everything(0)
         strategy = DDPStrategy() if kind.startswith("ddp") else \
             lightning_pipe.PipeStrategy(pipe_size=1 if kind == "pipe1x2" else 2, num_microbatches=1,
-                                        log_pipeline_metrics=False)
+                                        log_pipeline_metrics=False,
+                                        state_dict_type="sharded" if kind == "pipe_sharded" else "full")
         seen = Seen()
-        devices = {"ddp": 1, "pipe": 2, "ddp2": 2, "pipe2x2": 4, "pipe1x2": 2}[kind]
+        devices = {"ddp": 1, "pipe": 2, "pipe_sharded": 2, "ddp2": 2, "pipe2x2": 4, "pipe1x2": 2}[kind]
         trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
                              max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=[EMAWeightAveraging(decay=0.5), seen,
@@ -94,7 +97,8 @@ def main(kind: str, root: str, out: str) -> None:
         trainer.fit(model, loader, loader, ckpt_path=resume)
         after = trainer.validate(model, loader, verbose=False)[0]  # the averaged weights, whole
         if trainer.is_global_zero:
-            saved = torch.load(os.path.join(root, "ckpt", "last.ckpt"), map_location="cpu", weights_only=False)
+            last = os.path.join(root, "ckpt", "last.ckpt")
+            saved = consolidate(last) if os.path.isdir(last) else torch.load(last, map_location="cpu", weights_only=False)
             results[phase] = {
                 "rows": torch.stack(seen.rows).cpu(), "after": after,
                 "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
@@ -104,22 +108,23 @@ def main(kind: str, root: str, out: str) -> None:
         torch.save(results, out)
 
 
-@pytest.mark.parametrize("layout", ["p2", "2x2", "1x2"])
+@pytest.mark.parametrize("layout", ["p2", "p2_sharded", "2x2", "1x2"])
 @pytest.mark.parametrize("phase", ["first", "resumed"])
 def test_an_ema_trained_validated_saved_and_resumed_matches_ddp(lm_runs, phase, layout):
     """Regression: EMAWeightAveraging stopped the first step ('Cannot copy out of meta tensor'): its copy of the
     whole module was zipped with a stage's tensors. Validation sees the averaged weights, the checkpoint holds them
     with the current ones beside, and a resumed fit continues both; with replicas too (against DDP on 2). Regression
     (1x2): with one stage the callback keeps its own copy, which the strategy took for a per-stage one (AttributeError
-    'follow_releases' after the first step)."""
-    if layout == "p2":
+    'follow_releases' after the first step). With sharded checkpoints (refused before), the current weights are
+    sharded beside the averaged ones and come back on resume."""
+    if layout.startswith("p2"):
         want = lm_runs("reference")[0]["test_weight_averaging_ddp"][phase]
-        got = lm_runs("world2")[0]["test_weight_averaging_pipe"][phase]
+        got = lm_runs("world2")[0]["test_weight_averaging_pipe" + layout[2:]][phase]
     else:
         want = lm_runs("world2")[0]["test_weight_averaging_ddp2"][phase]
         got = lm_runs("world4")[0]["test_weight_averaging_2x2"][phase] if layout == "2x2" else \
             lm_runs("world2")[0]["test_weight_averaging_1x2"][phase]
-    steps = 4 if layout == "p2" else 2  # per epoch (replicas share the 4 batches)
+    steps = 4 if layout.startswith("p2") else 2  # per epoch (replicas share the 4 batches)
     epochs = 2 if phase == "first" else 1
     assert want["rows"].shape == (steps * epochs + epochs + 1, 2)  # steps, validations and the one after fit
     torch.testing.assert_close(got["rows"], want["rows"])

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from lightning_pipe.errors import ConfigurationError
 
 try:
     from lightning.pytorch.callbacks import WeightAveraging
@@ -81,16 +80,6 @@ def _copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def averaging_callbacks(callbacks: List[Any]) -> List[Any]:
     return [c for c in callbacks if isinstance(c, WeightAveraging)]
-
-
-def refuse_sharded(callbacks: List[Any]) -> None:
-    """Sharded checkpoints would hold the averaged weights sharded but the callback's copy of the current ones whole."""
-    found = averaging_callbacks(callbacks)
-    if found:
-        raise ConfigurationError(
-            f"{type(found[0]).__name__} with sharded checkpoints is not supported yet (the model's current weights, "
-            "which the callback saves beside the averaged ones, would not be sharded); use "
-            "PipeStrategy(state_dict_type='full')")
 
 
 def adopt(callbacks: List[Any], module: nn.Module, device: torch.device) -> None:
@@ -164,6 +153,14 @@ def averaged_state(callbacks: List[Any], module: Any, state: Callable[[], Dict[s
     callback = adopted[-1]
     callback._swap_models(module)
     try:
-        return state()
+        return _detached(state(), module)
     finally:
         callback._swap_models(module)
+
+
+def _detached(state: Dict[str, Any], module: nn.Module) -> Dict[str, Any]:
+    """``state`` with copies of the tensors that are ``module``'s own (a sharded save's are, on the CPU): swapping
+    the models back copies the current weights into them in place, before the save writes them."""
+    own = {t.untyped_storage().data_ptr() for t in itertools.chain(module.parameters(), module.buffers()) if not t.is_meta}
+    return {k: v.clone() if isinstance(v, torch.Tensor) and not v.is_meta and v.untyped_storage().data_ptr() in own
+            else v for k, v in state.items()}

@@ -223,8 +223,10 @@ class Checkpoints:
     def save_sharded(self, checkpoint: Dict[str, Any], path: str, global_zero: bool) -> None:
         """Write ``checkpoint`` (this rank's parts) as a sharded directory; every rank calls it."""
         state, optimizers = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        current = checkpoint.pop("current_model_state", None)  # a weight averaging callback's: this rank's part too
         save_sharded(path, state, optimizers, self.layouts, checkpoint if global_zero else None,
-                     aliases=self.split.key_aliases, expected_keys=self.split.key_order, group=None)
+                     aliases=self.split.key_aliases, expected_keys=self.split.key_order, current_state=current,
+                     group=None)
 
     def load(self, path: str, optimizers: Sequence[Optimizer], strict: bool, weights_only: Optional[bool]) -> Dict[str, Any]:
         """A checkpoint for this rank: a sharded directory read in part, or a file mapped, not read, whole."""
@@ -235,19 +237,25 @@ class Checkpoints:
         wanted = [[n for group in group_names(o, names) for n in group] for o in optimizers] if optimizers else None
         checkpoint = load_sharded(path, templates, wanted, layouts=self.layouts if optimizers else None,
                                   expected_keys=self.split.key_order, strict=strict, weights_only=weights_only)
-        checkpoint[_LOADED_IN_PLACE] = True
+        checkpoint[_LOADED_IN_PLACE] = True  # its state dicts hold this rank's keys: see weights_loader
         return checkpoint
 
-    def load_module_state(self, checkpoint: Dict[str, Any], strict: bool) -> None:
-        """Load this rank's materialized entries; check the keys against the whole model's first.
+    def weights_loader(self, checkpoint: Dict[str, Any], strict: bool) -> Callable[[Dict[str, Any]], None]:
+        """What loads a state dict of ``checkpoint`` into this rank's part: its ``state_dict``, or the current weights
+        a weight averaging callback saved beside the averaged ones (``current_model_state``).
+
+        A sharded checkpoint's hold this rank's keys only, checked when they were read (:meth:`load`); a whole
+        one's are checked against the whole model's keys first.
 
         Raises:
-            ConfigurationError: with ``strict``, the checkpoint's keys are not the model's (on every
-                rank, before anything is loaded).
+            ConfigurationError: with ``strict``, a whole checkpoint's keys are not the model's (on every rank,
+                before anything is loaded).
         """
         if checkpoint.pop(_LOADED_IN_PLACE, False):
-            return  # load_sharded filled this rank's tensors already, after checking the keys
-        state_dict = checkpoint["state_dict"]
+            return self._load_local
+        return lambda state_dict: self._load_whole(state_dict, strict)
+
+    def _load_whole(self, state_dict: Mapping[str, Any], strict: bool) -> None:
         expected = set(self.split.key_order)
         missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
         if strict and (missing or unexpected):
@@ -255,8 +263,12 @@ class Checkpoints:
                 f"the checkpoint does not hold this model: missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
                 f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; was it saved from another model?"
             )
-        local = {k for k, v in self.module.state_dict().items() if not v.is_meta}
-        self.module.load_state_dict({k: v for k, v in state_dict.items() if k in local}, strict=False)
+        self._load_local(state_dict)
+
+    def _load_local(self, state_dict: Mapping[str, Any]) -> None:
+        """This rank's materialized entries of ``state_dict`` (those that are not its own tensors already)."""
+        own = {k: v for k, v in self.module.state_dict().items() if not v.is_meta}
+        self.module.load_state_dict({k: v for k, v in state_dict.items() if k in own and v is not own[k]}, strict=False)
 
     def load_optimizer_states(self, optimizers: Sequence[Optimizer], saved: Sequence[Mapping[str, Any]]) -> None:
         names = self._names()

@@ -334,8 +334,6 @@ class PipeStrategy(DDPStrategy):
                 self.setup_optimizers(trainer)
             self._refuse_unsupported_optimizers()
             if self.pp_size > 1:
-                if self._sharded:  # also when built on the meta device
-                    averaging.refuse_sharded(trainer.callbacks)
                 averaging.adopt(trainer.callbacks, module, self.root_device)
             self._checkpoints.record_layouts(self._bare_optimizers())
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -374,8 +372,6 @@ class PipeStrategy(DDPStrategy):
                           "layers (the others are meta tensors). Remove the callback, or prune after fit (the whole "
                           "model is gathered back into the module)",
         }
-        if self.state_dict_type == "sharded":
-            averaging.refuse_sharded(trainer.callbacks)
         for callback in trainer.callbacks:
             for kind, reason in reasons.items():
                 if isinstance(callback, kind):
@@ -734,9 +730,9 @@ class PipeStrategy(DDPStrategy):
         if self.split is None or not self.split.installed:
             return super().load_model_state_dict(checkpoint, strict=strict)
         module = self.lightning_module
-        if not averaging.restore(module.trainer.callbacks, module, checkpoint,
-                                 lambda state: self._checkpoints.load_module_state({"state_dict": state}, strict)):
-            self._checkpoints.load_module_state(checkpoint, strict)
+        load = self._checkpoints.weights_loader(checkpoint, strict)
+        if not averaging.restore(module.trainer.callbacks, module, checkpoint, load):
+            load(checkpoint["state_dict"])
 
     def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
         if self._checkpoints is None:
