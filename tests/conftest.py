@@ -32,7 +32,7 @@ LM_LAUNCHES = {
         _spec("tied_seq", "tied_seq", "ddp", 1, clip=0.5), _spec("sum", "sum", "ddp", 1),
         _spec("denoise", "denoise", "ddp", 1, epochs=NOISE_EPOCHS), _spec("frozen", "frozen", "ddp", 1),
         _spec("paramfree", "paramfree", "ddp", 1), _spec("fp16", "fp16", "ddp", 1, fp16_scale=256.0),
-        _spec("llama_2ep", "llama", "ddp", 1, epochs=2),
+        _spec("llama_2ep", "llama", "ddp", 1, epochs=2), _spec("cached", "cached", "ddp", 1),
         *[dict(name=f"{app}_ddp", app=app, strategy="ddp", devices=1) for app in APPS],
     ],
     "world2": [
@@ -40,6 +40,7 @@ LM_LAUNCHES = {
         _spec("sum_p2", "sum", "pipe", 2, schedule="gpipe"),
         _spec("denoise_p2", "denoise", "pipe", 2, schedule="gpipe", epochs=NOISE_EPOCHS),
         _spec("diffusion_p2", "diffusion", "pipe", 2), _spec("mixup_p2", "mixup", "pipe", 2, schedule="gpipe"),
+        _spec("cached_p2", "cached", "pipe", 2), _spec("cached_p2_ckpt", "cached", "pipe", 2, checkpoint="always"),
         _spec("llama_ddp2", "llama", "ddp", 2), _spec("frozen_p2", "frozen", "pipe", 2),
         _spec("paramfree_p2", "paramfree", "pipe", 2, balance=[4, 2]),
         _spec("unbalanced_time", "unbalanced", "pipe", 2, balance="time", steps=1),

@@ -106,6 +106,32 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class KVCache:
+    """A stand-in for Hugging Face's ``DynamicCache``: every block appends its keys, and attends over all of them."""
+
+    def __init__(self) -> None:
+        self.keys = {}
+
+    def update(self, key, layer: int):
+        self.keys.setdefault(layer, []).append(key)
+        return torch.cat(self.keys[layer], dim=1)
+
+
+class CachingBlock(LlamaBlock):
+    """A block that writes its keys into the cache it is given and pools over what the cache holds."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, x, attention_mask=None, position_ids=None, position_embeddings=None, past_key_value=None,
+                use_cache=False):
+        h = self.norm1(x)
+        keys = past_key_value.update(h, self.index) if use_cache else h
+        x = x + self.attn(h, attention_mask, position_embeddings) + 0.5 * keys.mean(dim=1, keepdim=True)
+        return x + self.mlp(self.norm2(x))
+
+
 class LMBase(pl.LightningModule):
     """Token-mean cross entropy over non-padding tokens, declared with num_items."""
 
@@ -121,11 +147,11 @@ class LMBase(pl.LightningModule):
 
 
 class LlamaStyle(LMBase):
-    def __init__(self, n_layer: int = 4) -> None:
+    def __init__(self, n_layer: int = 4, cached: bool = False) -> None:
         super().__init__()
-        self.n_layer = n_layer
+        self.n_layer, self.cached = n_layer, cached
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleList([LlamaBlock() for _ in range(n_layer)])
+        self.layers = nn.ModuleList([CachingBlock(i) if cached else LlamaBlock() for i in range(n_layer)])
         self.norm = nn.RMSNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, WIDTH // HEADS, 2) / (WIDTH // HEADS)),
@@ -144,9 +170,10 @@ class LlamaStyle(LMBase):
         x = self.embed(tokens)
         if embedding_gradient_factor is not None:
             x = _ScaleGradient.apply(x, embedding_gradient_factor)
+        cache = KVCache() if self.cached else None  # a new one per call, as Hugging Face models make theirs
         for layer in self.layers[: self.n_layer]:
             x = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin),
-                      past_key_value=None, use_cache=False)
+                      past_key_value=cache, use_cache=self.cached)
         return self.head(self.norm(x))
 
     def training_step(self, batch, batch_idx):
@@ -452,19 +479,28 @@ class EmaInStep(NoiseBase):
 
 
 class HFCausalLM(LMBase):
-    """A Hugging Face transformers model, built from a config (no download): its own layer loop."""
+    """A Hugging Face transformers model, built from a config (no download): its own layer loop.
+
+    Llama is called with ``use_cache=False``; the others as a fine-tuning script usually calls them,
+    with the config's default ``use_cache=True``: the model makes a ``DynamicCache`` per call and
+    hands it to every decoder layer.
+    """
 
     def __init__(self, family: str = "llama") -> None:
         super().__init__()
         import transformers
 
+        common = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=4,
+                      num_attention_heads=HEADS, max_position_embeddings=LENGTH, attn_implementation="sdpa")
+        self.use_cache = False if family == "llama" else None
         if family == "llama":
-            config = transformers.LlamaConfig(
-                vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=4,
-                num_attention_heads=HEADS, num_key_value_heads=1, max_position_embeddings=LENGTH,
-                tie_word_embeddings=True, attn_implementation="sdpa",
-            )
-            self.model = transformers.LlamaForCausalLM(config)
+            self.model = transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True, **common))
+        elif family == "qwen2":  # the attention mask per layer type, looked up in the loop
+            self.model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=1, **common))
+        elif family == "mistral":  # sliding-window attention
+            self.model = transformers.MistralForCausalLM(
+                transformers.MistralConfig(num_key_value_heads=1, sliding_window=4, **common))
         else:
             config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_layer=4, n_head=HEADS, n_positions=LENGTH,
                                              attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -472,18 +508,20 @@ class HFCausalLM(LMBase):
 
     def training_step(self, batch, batch_idx):
         tokens, labels = batch
-        logits = self.model(input_ids=tokens, attention_mask=(tokens != PAD).long(), use_cache=False).logits
+        cache = {} if self.use_cache is None else {"use_cache": self.use_cache}
+        logits = self.model(input_ids=tokens, attention_mask=(tokens != PAD).long(), **cache).logits
         loss, count = self._loss(logits, labels)
         self.log("train_loss", loss)
         return {"loss": loss, "num_items": count}
 
 
 CASES = {
-    "llama": (LlamaStyle, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
+    "llama": (LlamaStyle, "tokens"), "cached": (lambda: LlamaStyle(cached=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_args": (BadArgs, "tokens"),
     "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
-    "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"),
+    "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
+    "hf_mistral": (lambda: HFCausalLM("mistral"), "tokens"),
 }
 
 

@@ -4,7 +4,9 @@
 from small configs, nothing is downloaded: ``LlamaForCausalLM`` (its decoder layers in a
 ``ModuleList`` called in a sliced loop with keyword arguments: a mask that is None for microbatches
 without padding and a tensor otherwise, rotary ``position_embeddings``, ``position_ids``) and
-``GPT2LMHeadModel``, both with tied input and output embeddings.
+``GPT2LMHeadModel``, both with tied input and output embeddings; ``Qwen2ForCausalLM`` (a mask per
+layer type) and ``MistralForCausalLM`` (sliding-window attention), called with their default
+``use_cache=True`` (a ``DynamicCache`` made per call and given to every layer).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from tests.conftest import launch_lm_app
 
 pytest.importorskip("transformers")
 
+FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
 RUNS = {
-    "reference": [dict(name=f"hf_{f}", case=f"hf_{f}", strategy="ddp", devices=1) for f in ("llama", "gpt2")],
+    "reference": [dict(name=f"hf_{f}", case=f"hf_{f}", strategy="ddp", devices=1) for f in FAMILIES],
     "pipelined": [dict(name="hf_llama", case="hf_llama", strategy="pipe", devices=2),
-                  dict(name="hf_gpt2", case="hf_gpt2", strategy="pipe", devices=2, schedule="gpipe")],
+                  dict(name="hf_gpt2", case="hf_gpt2", strategy="pipe", devices=2, schedule="gpipe"),
+                  dict(name="hf_qwen2", case="hf_qwen2", strategy="pipe", devices=2, checkpoint="always"),
+                  dict(name="hf_mistral", case="hf_mistral", strategy="pipe", devices=2, schedule="zb_h1")],
 }
 
 
@@ -33,6 +38,11 @@ def runs(tmp_path_factory):
     # LlamaRMSNorm and the rotary tables compute in float32 even in a float64 model, so float64
     # rounding differences (a tied gradient summed in another order) show up at float32's scale
     ("llama", 1e-5),
+    # with the config's use_cache=True: a DynamicCache per call, given to every decoder layer (regression: one
+    # cache for all microbatches on the last stage: 'backward through the graph a second time', or for
+    # Mistral attention over other microbatches' keys)
+    ("qwen2", 1e-5),
+    ("mistral", 1e-5),
 ])
 def test_transformers_model_trains_as_under_ddp(runs, family, tolerance):
     got, want = runs["pipelined"][f"hf_{family}"], runs["reference"][f"hf_{family}"]

@@ -67,6 +67,15 @@ def test_model_style_trains_as_under_ddp(lm_runs, launch, name, reference):
     assert_same_training(lm_runs(launch)[0][name], lm_runs("reference")[0][reference])
 
 
+@pytest.mark.parametrize("name", ["cached_p2", "cached_p2_ckpt"])
+def test_a_stateful_object_given_to_every_block_sees_one_microbatch_as_under_ddp(lm_runs, name):
+    """Regression: a key/value cache made per call and given to every block (Hugging Face's DynamicCache, made
+    unless use_cache=False) was one object on the last stage for every microbatch and step: attention over other
+    microbatches' keys (Mistral trained something else), or 'backward through the graph a second time' (Llama,
+    Qwen2, Gemma, Phi-3). Each run of a stage's blocks gets its own copy now, the recomputation too ("_ckpt")."""
+    assert_same_training(lm_runs("world2")[0][name], lm_runs("reference")[0]["cached"])
+
+
 @pytest.mark.parametrize("name", ["frozen", "paramfree"])
 def test_a_stage_without_trainable_parameters_trains_as_under_ddp(lm_runs, name):
     """Regression: a stage of frozen layers (stage 0 of a fine-tuning run) or of parameter-free

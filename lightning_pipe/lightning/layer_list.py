@@ -12,7 +12,11 @@ and hands out proxies of the blocks. The rule for a block call:
   is the microbatch's rows, a rotary table is whole): no splitting rule is needed. Tensors travel
   with the hidden state from stage to stage (gradients come back for those that require them);
   everything else (None, flags, numbers, the structure of tuples and dicts) travels once, as a
-  content-addressed record in the job's store, and each message carries its 64-bit id.
+  content-addressed record in the job's store, and each message carries its 64-bit id. Other
+  objects are values too: each run of a stage's blocks (a microbatch's forward, its recomputation
+  under activation checkpointing) gets its own copy of them as they were at the loop's first
+  block call, so a stateful one (a Hugging Face key/value ``Cache``, which every block appends to)
+  sees one microbatch's forward on every stage, as under DDP, never another microbatch's.
 
 On the first stage the first block call runs the stage's blocks and stops the step. On the last
 stage the final block's call returns the final output, and every call is checked against the
@@ -26,9 +30,11 @@ else.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import pickle
 import sys
+import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -87,12 +93,22 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+# leaves of the extra arguments that no block can change: shared by every run; any other object is copied per run
+_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, torch.layout,
+           enum.Enum, type, slice, range, type(Ellipsis), types.FunctionType, types.BuiltinFunctionType)
+
+
 class CallChannel:
-    """Call structures by content id, through the job's key-value store (written once each)."""
+    """Call structures by content id, through the job's key-value store (written once each).
+
+    :meth:`lookup` gives each run a fresh copy of the objects in a structure that are not plain values
+    (see the module docstring), unpickled from the record.
+    """
 
     def __init__(self, store: Optional[dist.Store]) -> None:
         self.store = store
         self._by_key: Dict[int, Structure] = {}
+        self._records: Dict[int, bytes] = {}  # the records of structures holding objects copied per run
         self._last: Optional[Tuple[Structure, int]] = None
 
     def publish(self, structure: Structure) -> int:
@@ -110,14 +126,25 @@ class CallChannel:
         if key not in self._by_key and self.store is not None:
             self.store.set(f"{key:x}", data)
         self._by_key[key] = structure
+        if not all(isinstance(c, _VALUES) for c in constants):
+            self._records[key] = data
         self._last = (structure, key)
         return key
 
     def lookup(self, key: int) -> Structure:
+        """The structure published under ``key``, with its own copy of every object that is not a plain value."""
         if key not in self._by_key:
-            spec, constants, slots = pickle.loads(self.store.get(f"{key:x}"))
+            data = self.store.get(f"{key:x}")
+            spec, constants, slots = pickle.loads(data)
             self._by_key[key] = (treespec_loads(spec), constants, slots)
-        return self._by_key[key]
+            if not all(isinstance(c, _VALUES) for c in constants):
+                self._records[key] = data
+                return self._by_key[key]  # just unpickled: a copy no run has had yet
+        record = self._records.get(key)
+        if record is None:
+            return self._by_key[key]
+        spec, _, slots = self._by_key[key]
+        return spec, pickle.loads(record)[1], slots
 
 
 def _same_structure(a: Structure, b: Structure) -> bool:
@@ -278,7 +305,8 @@ class PipelinedLayerList(StandIn, nn.Module):
         if index != 0:
             raise BodyCallError(f"the loop's first block call went to block {index}; it must start at block 0")
         key = self.channel.publish(structure)
-        hidden = self.run_checkpointed(lambda h: self.run_blocks(h, args[1:], kwargs, *self.ranges[0]), args[0])
+        hidden = self.run_checkpointed(
+            lambda h: self.run_blocks(h, *join_call(self.channel.lookup(key), tensors), *self.ranges[0]), args[0])
         raise BodyReached((hidden, *tensors, torch.tensor([key], dtype=torch.int64, device=hidden.device)))
 
     def run_blocks(self, hidden: torch.Tensor, args: tuple, kwargs: dict, start: int, stop: int) -> Any:
