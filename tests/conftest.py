@@ -41,6 +41,7 @@ LM_LAUNCHES = {
         _spec("denoise_p2", "denoise", "pipe", 2, schedule="gpipe", epochs=NOISE_EPOCHS),
         _spec("diffusion_p2", "diffusion", "pipe", 2), _spec("mixup_p2", "mixup", "pipe", 2, schedule="gpipe"),
         _spec("cached_p2", "cached", "pipe", 2), _spec("cached_p2_ckpt", "cached", "pipe", 2, checkpoint="always"),
+        _spec("mean_ce_p2", "mean_ce", "pipe", 2), _spec("mean_ce_derived_p2", "mean_ce_derived", "pipe", 2),
         _spec("llama_ddp2", "llama", "ddp", 2), _spec("frozen_p2", "frozen", "pipe", 2),
         _spec("paramfree_p2", "paramfree", "pipe", 2, balance=[4, 2]),
         _spec("unbalanced_time", "unbalanced", "pipe", 2, balance="time", steps=1),
@@ -110,7 +111,8 @@ def launch_lm_app(tmp_path_factory, name, runs, expect_failure=False, timeout=42
     envs = []
     for rank in range(devices):
         env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0", LOCAL_RANK=str(rank), WORLD_SIZE=str(devices))
-        env["PYTHONWARNINGS"] = "ignore,default:::lightning_pipe.lightning.effects"  # ours are checked, Lightning's not
+        # ours are checked, Lightning's not
+        env["PYTHONWARNINGS"] = "ignore,default:::lightning_pipe.lightning.effects,default:::lightning_pipe.lightning.steps"
         envs.append(env)
     codes, seconds, survivors, outputs = Launch(root, [cmd] * devices, envs).finish(timeout)
     output = "".join(outputs)

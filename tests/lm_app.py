@@ -410,6 +410,21 @@ class Unbalanced(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class MeanTokenLlama(LlamaStyle):
+    """LlamaStyle whose step returns ``F.cross_entropy``'s token mean itself, with no ``num_items``; with
+    ``derived``, a value computed from it (``loss + 0``), which PipeStrategy cannot count (it warns)."""
+
+    def __init__(self, derived: bool = False) -> None:
+        super().__init__()
+        self.derived = derived
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        loss = F.cross_entropy(self.logits(tokens).reshape(-1, VOCAB), labels.reshape(-1))  # ignore_index=-100
+        self.log("train_loss", loss)
+        return loss + 0 if self.derived else loss
+
+
 class MetaLlama(LlamaStyle):
     """The big-model path: the blocks are created in configure_model(), under PipeStrategy on the meta device.
 
@@ -483,7 +498,8 @@ class HFCausalLM(LMBase):
 
     Llama is called with ``use_cache=False``; the others as a fine-tuning script usually calls them,
     with the config's default ``use_cache=True``: the model makes a ``DynamicCache`` per call and
-    hands it to every decoder layer.
+    hands it to every decoder layer. Mistral's step returns the model's own loss (``labels=``), a
+    mean over the tokens that are not -100, without ``num_items``.
     """
 
     def __init__(self, family: str = "llama") -> None:
@@ -492,7 +508,7 @@ class HFCausalLM(LMBase):
 
         common = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=4,
                       num_attention_heads=HEADS, max_position_embeddings=LENGTH, attn_implementation="sdpa")
-        self.use_cache = False if family == "llama" else None
+        self.family, self.use_cache = family, False if family == "llama" else None
         if family == "llama":
             self.model = transformers.LlamaForCausalLM(
                 transformers.LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True, **common))
@@ -509,6 +525,11 @@ class HFCausalLM(LMBase):
     def training_step(self, batch, batch_idx):
         tokens, labels = batch
         cache = {} if self.use_cache is None else {"use_cache": self.use_cache}
+        if self.family == "mistral":  # the model's own loss (mean over the shifted labels that are not -100), as is
+            out = self.model(input_ids=tokens, attention_mask=(tokens != PAD).long(),
+                             labels=tokens.masked_fill(tokens == PAD, -100), **cache)
+            self.log("train_loss", out.loss)
+            return out.loss
         logits = self.model(input_ids=tokens, attention_mask=(tokens != PAD).long(), **cache).logits
         loss, count = self._loss(logits, labels)
         self.log("train_loss", loss)
@@ -516,7 +537,8 @@ class HFCausalLM(LMBase):
 
 
 CASES = {
-    "llama": (LlamaStyle, "tokens"), "cached": (lambda: LlamaStyle(cached=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
+    "llama": (LlamaStyle, "tokens"), "cached": (lambda: LlamaStyle(cached=True), "tokens"),
+    "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_args": (BadArgs, "tokens"),
     "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),

@@ -42,7 +42,9 @@ def runs(tmp_path_factory):
     # cache for all microbatches on the last stage: 'backward through the graph a second time', or for
     # Mistral attention over other microbatches' keys)
     ("qwen2", 1e-5),
-    ("mistral", 1e-5),
+    # its step returns the model's own loss (no num_items: PipeStrategy counts the tokens it averages over),
+    # which Hugging Face computes from logits cast to float32
+    ("mistral", 5e-5),
 ])
 def test_transformers_model_trains_as_under_ddp(runs, family, tolerance):
     got, want = runs["pipelined"][f"hf_{family}"], runs["reference"][f"hf_{family}"]

@@ -76,6 +76,19 @@ def test_a_stateful_object_given_to_every_block_sees_one_microbatch_as_under_ddp
     assert_same_training(lm_runs("world2")[0][name], lm_runs("reference")[0]["cached"])
 
 
+def test_a_loss_that_is_cross_entropys_token_mean_itself_is_weighted_by_its_tokens_as_under_ddp(lm_runs):
+    """Regression: a step returning F.cross_entropy(..., ignore_index=-100)'s mean with no num_items was weighted
+    per microbatch by its samples, while DDP averages over the batch's tokens (silently different). The reference
+    returns the same mean with num_items; a loss computed from the call (`loss + 0`) cannot be counted and differs."""
+    want = lm_runs("reference")[0]["llama"]
+    assert_same_training(lm_runs("world2")[0]["mean_ce_p2"], want)
+    derived = lm_runs("world2")[0]["mean_ce_derived_p2"]["state_dict"]
+    assert any(not torch.allclose(derived[k], v, rtol=1e-6, atol=1e-9) for k, v in want["state_dict"].items())
+    output = lm_runs("world2")[2]
+    assert output.count("is computed from a cross_entropy/nll_loss whose targets include ignored ones") == 1, \
+        output[-3000:]  # the derived run warns, once; the others return num_items or the call's output itself
+
+
 @pytest.mark.parametrize("name", ["frozen", "paramfree"])
 def test_a_stage_without_trainable_parameters_trains_as_under_ddp(lm_runs, name):
     """Regression: a stage of frozen layers (stage 0 of a fine-tuning run) or of parameter-free

@@ -84,6 +84,29 @@ def test_the_loss_account_checks_what_it_can():
     assert empty.normalizer() == 5.0 and empty.log_weights() == [0.0, 5.0]
 
 
+def test_mean_targets_counts_what_a_mean_cross_entropy_or_nll_loss_averaged_over():
+    from lightning_pipe.lightning.losses import MeanTargets
+
+    targets, logits = MeanTargets(), torch.randn(5, 3)
+    labels = torch.tensor([0, 2, -100, 1, -100])
+    original = torch.nn.functional.cross_entropy
+    with targets.watching():
+        by_module = torch.nn.CrossEntropyLoss()(logits, labels)  # looks F.cross_entropy up when called
+        weighted = torch.nn.functional.cross_entropy(logits, labels, weight=torch.tensor([1.0, 2.0, 4.0]))
+        nll = torch.nn.functional.nll_loss(logits.log_softmax(-1), labels.clamp(min=0), ignore_index=2)
+        summed = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        soft = torch.nn.functional.cross_entropy(logits, torch.full((5, 3), 1 / 3))
+    assert torch.nn.functional.cross_entropy is original  # put back
+    assert targets.count_of(by_module) == 3 and targets.count_of(weighted) == 1 + 4 + 2
+    assert targets.count_of(nll) == 4  # the targets that are not 2
+    assert targets.count_of(summed) is None and targets.count_of(soft) is None and targets.count_of(by_module * 2) is None
+    assert targets.ignored_some()
+    account = LossAccount([3, 2], "mean")  # the count stands for num_items
+    account.add(0, by_module, by_module, counted=targets.count_of(by_module))
+    account.add(1, weighted, {"loss": weighted, "num_items": 9}, counted=targets.count_of(weighted))  # given wins
+    assert account.log_weights() == [3.0, 9.0] and account.normalizer() == 12.0
+
+
 def test_step_results_merge_like_one_step_over_the_batch():
     parts = [{"preds": torch.zeros(2), "acc": torch.tensor(1.0), "num_items": torch.tensor(3), "ids": ["a", "b"]},
              {"preds": torch.ones(1), "acc": torch.tensor(0.0), "num_items": torch.tensor(1), "ids": ["c"]}]

@@ -10,6 +10,13 @@ The rule, stated once (PipeStrategy's docstring and README repeat it):
   end of the step on every stage.
 - ``loss_reduction="sum"``: the step's loss is a sum over samples; the batch's loss is the sum.
 
+A step that returns the output of ``torch.nn.functional.cross_entropy`` or ``nll_loss`` itself
+(reduction ``"mean"``, class-index targets: a language model's loss with ``ignore_index``, a
+Hugging Face model's ``outputs.loss``) averages over the targets that are not ignored, weighted
+by ``weight`` where given: :class:`MeanTargets` counts them, and that count is its ``num_items``
+unless the step gives one. A loss computed *from* such a call (``ce + aux``) whose targets include
+ignored ones is left to the rule above, with a warning.
+
 Other results of the step (``on_train_batch_end``'s ``outputs``) merge the same way: tensors with
 a batch dimension are concatenated, lists joined, numbers and 0-dim tensors combined like the loss
 (``num_items`` summed), anything else kept as a list with one value per microbatch.
@@ -17,10 +24,14 @@ a batch dimension are concatenated, lists joined, numbers and 0-dim tensors comb
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Any, Dict, List, Optional, Sequence
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from lightning_pipe.errors import ConfigurationError
 
@@ -54,6 +65,74 @@ def loss_of(output: Any, hook: str, required: bool = True) -> Optional[torch.Ten
     return None
 
 
+class MeanTargets:
+    """The number of targets each mean-reduced ``cross_entropy``/``nll_loss`` call of a step averaged over.
+
+    While :meth:`watching`, the two functions of ``torch.nn.functional`` are wrapped: torch has no
+    hook on one function (a ``TorchFunctionMode`` would run Python for every op of the step), and
+    ``nn.CrossEntropyLoss``, Hugging Face's losses and ``F.cross_entropy`` in user code all look the
+    function up there when they call it. Code that bound it earlier (``from torch.nn.functional
+    import cross_entropy``) is not seen: its loss follows the microbatch-size rule.
+
+    Example:
+        >>> targets = MeanTargets()
+        >>> with targets.watching():
+        ...     loss = F.cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, -100, 1]))
+        >>> targets.count_of(loss), targets.count_of(loss * 1), targets.ignored_some()
+        (tensor(3), None, True)
+    """
+
+    def __init__(self) -> None:
+        self._seen: Dict[int, Tuple[torch.Tensor, torch.Tensor, bool]] = {}  # by the output's data pointer
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        self._seen = {}
+        originals = F.cross_entropy, F.nll_loss
+        F.cross_entropy, F.nll_loss = self._wrap(originals[0]), self._wrap(originals[1])
+        try:
+            yield
+        finally:
+            F.cross_entropy, F.nll_loss = originals
+
+    def _wrap(self, function: Callable) -> Callable:
+        signature = inspect.signature(function)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            out = function(*args, **kwargs)
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:  # the call itself would have raised
+                return out
+            bound.apply_defaults()
+            a = bound.arguments
+            target, weight = a.get("target"), a.get("weight")
+            if (a.get("reduction") == "mean" and a.get("size_average") is None and a.get("reduce") is None
+                    and isinstance(out, torch.Tensor) and out.dim() == 0 and isinstance(target, torch.Tensor)
+                    and not target.is_floating_point() and not target.is_complex()):
+                with torch.no_grad():
+                    kept = target != a["ignore_index"]
+                    count = kept.sum() if weight is None else weight[target[kept]].sum()
+                self._seen[out.data_ptr()] = (out, count, bool(not kept.all()))
+            return out
+
+        counted.__wrapped__ = function  # type: ignore[attr-defined]
+        return counted
+
+    def count_of(self, loss: torch.Tensor) -> Optional[torch.Tensor]:
+        """The count ``loss`` averaged over, if it is a watched call's output itself.
+
+        Told by memory, not by object: the step's result may come back as another tensor object over the
+        same value (a subclass made plain again, a view); the outputs are kept, so their memory is not reused.
+        """
+        seen = self._seen.get(loss.data_ptr()) if loss.device.type != "meta" else None
+        return seen[1] if seen is not None and seen[0].shape == loss.shape and seen[0].dtype == loss.dtype else None
+
+    def ignored_some(self) -> bool:
+        """Whether a watched call of the step left out some targets (``ignore_index``)."""
+        return any(ignored for _, _, ignored in self._seen.values())
+
+
 class LossAccount:
     """The microbatch losses of one step on the last stage.
 
@@ -68,13 +147,20 @@ class LossAccount:
         self.items: Dict[int, Optional[float]] = {}
         self.extras: Dict[int, Dict[str, Any]] = {}
 
-    def add(self, i: int, loss: torch.Tensor, output: Any) -> torch.Tensor:
-        """Note microbatch ``i``'s result; return what its backward starts from."""
+    def add(self, i: int, loss: torch.Tensor, output: Any, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Note microbatch ``i``'s result; return what its backward starts from.
+
+        ``counted``: the targets a mean-reduced loss averaged over (:class:`MeanTargets`), taken as
+        its ``num_items`` when the step gives none.
+        """
         items = _items(output)
+        if items is None and counted is not None and self.reduction == "mean":
+            items = _items({"num_items": counted})
         if self.items and (items is None) != (next(iter(self.items.values())) is None):
             raise ConfigurationError(
-                "the step returned 'num_items' for some microbatches and not for others; return it every time "
-                "(the number of items, e.g. tokens, that its loss averages over)"
+                "the step returned 'num_items' for some microbatches and not for others, or returned the output of "
+                "cross_entropy/nll_loss itself for some (which counts its targets) and a value computed otherwise for "
+                "others; return 'num_items' every time (the number of items, e.g. tokens, that its loss averages over)"
             )
         if items is not None and self.reduction == "sum":
             raise ConfigurationError(

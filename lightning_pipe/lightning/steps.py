@@ -9,6 +9,7 @@ so whatever the step draws before the body (noise, masks, mixing weights) is dra
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -22,7 +23,7 @@ from lightning_pipe.lightning import loggers, release
 from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
-from lightning_pipe.lightning.losses import LossAccount, loss_of, merge
+from lightning_pipe.lightning.losses import LossAccount, MeanTargets, loss_of, merge
 from lightning_pipe.lightning.stale import StaleCopies, unmark
 from lightning_pipe.microbatch import scatter
 
@@ -57,6 +58,8 @@ class StepRunner:
         self.stale: Optional[StaleCopies] = None  # the last stage's copies of what the first stage trains
         self.watch_loggers_on: Optional[int] = None  # global rank of the last stage of replica 0, where not 0
         self.in_step = False  # the user's step is running (on a stage: the world's collectives are refused)
+        self.targets = MeanTargets()  # what a cross_entropy loss averaged over, in the run that returns the loss
+        self._warned_targets = False
 
     def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
         """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
@@ -79,8 +82,9 @@ class StepRunner:
             else nullcontext()  # evaluation steps get every copy refreshed instead (see .stale)
         logging = loggers.watched(self.module.trainer, self.hook, self.watch_loggers_on, self.stand_in.reached) \
             if self.watch_loggers_on is not None and mode == "replace" else nullcontext()
+        targets = self.targets.watching() if mode != "stop" and self.hook != "predict_step" else nullcontext()
         try:
-            with watch, logging:
+            with watch, logging, targets:
                 with release.reads_recorded():
                     self.in_step = True
                     try:
@@ -122,7 +126,22 @@ class StepRunner:
         """What to backpropagate for microbatch ``i``'s training-step result, and note it."""
         loss = loss_of(output, self.hook)
         self.recorder.mark_loss(loss)
-        return self._account().add(i, loss, output)
+        return self._account().add(i, loss, output, self._counted(loss, output))
+
+    def _counted(self, loss: torch.Tensor, output: Any) -> Optional[torch.Tensor]:
+        """The targets ``loss`` averaged over, if it is a cross_entropy/nll_loss output itself (see .losses)."""
+        counted = self.targets.count_of(loss)
+        given = isinstance(output, dict) and "num_items" in output
+        if counted is None and not given and self.loss_reduction == "mean" and not self._warned_targets \
+                and self.targets.ignored_some():
+            self._warned_targets = True
+            warnings.warn(
+                f"{self.hook}'s loss is computed from a cross_entropy/nll_loss whose targets include ignored ones "
+                "(ignore_index), but is not that call's output itself, so PipeStrategy weights each microbatch's "
+                "loss by its number of samples, while one step over the whole batch (DDP) averages over its "
+                "targets: the microbatches' counts differ. Return {'loss': loss, 'num_items': count} with the count "
+                "of targets the loss averages over", stacklevel=2)
+        return counted
 
     def note(self, i: int, output: Any) -> Any:
         """Note an evaluation step's result (its loss, if any, tells how its logged loss folds)."""
@@ -130,7 +149,7 @@ class StepRunner:
         loss = loss if loss is not None and loss.numel() == 1 else None
         self.recorder.mark_loss(loss)
         if loss is not None:
-            self._account().add(i, loss, output)
+            self._account().add(i, loss, output, self.targets.count_of(loss))
         return output
 
     def criterion(self, *outputs_and_batch: Any) -> torch.Tensor:
