@@ -412,7 +412,8 @@ class Unbalanced(pl.LightningModule):
 
 class MeanTokenLlama(LlamaStyle):
     """LlamaStyle whose step returns ``F.cross_entropy``'s token mean itself, with no ``num_items``; with
-    ``derived``, a value computed from it (``loss + 0``), which PipeStrategy cannot count (it warns)."""
+    ``derived``, a value computed from it (``loss + 0``), which PipeStrategy cannot count (it warns).
+    Its validation step logs the mean and returns nothing."""
 
     def __init__(self, derived: bool = False) -> None:
         super().__init__()
@@ -423,6 +424,13 @@ class MeanTokenLlama(LlamaStyle):
         loss = F.cross_entropy(self.logits(tokens).reshape(-1, VOCAB), labels.reshape(-1))  # ignore_index=-100
         self.log("train_loss", loss)
         return loss + 0 if self.derived else loss
+
+    def validation_step(self, batch, batch_idx):  # logs the mean, returns nothing: the log folds by its tokens
+        tokens, labels = batch
+        logits = self.logits(tokens)
+        self.log("val_loss", F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)))
+        keep = labels != -100
+        self.val_scores.append((logits.argmax(-1)[keep] == labels[keep]).double())
 
 
 class MetaLlama(LlamaStyle):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import re
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -98,6 +98,8 @@ class LogRecorder:
         # logged on step and seen logged off step is not followed (its calls need no step state)
         self._on_step: set = set()
         self._off_step: set = set()
+        # the targets a logged cross_entropy/nll_loss mean averaged over (set by the step runner: losses.MeanTargets)
+        self.count_of: Callable[[torch.Tensor], Optional[torch.Tensor]] = lambda value: None
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -162,6 +164,9 @@ class LogRecorder:
         else:
             call["value"] = _detach(value)
             call["source"] = value  # until mark_loss: is this the loss the step returns?
+            count = self.count_of(value) if isinstance(value, torch.Tensor) else None
+            if count is not None:
+                call["count"] = float(count)
         self._calls[-1].append(call)
 
     def mark_loss(self, loss: Optional[torch.Tensor]) -> None:
@@ -288,6 +293,8 @@ def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Opti
     """One call from a name's calls in several microbatches (``total``: the batch's size), and whether
     their ``batch_size`` is the batch's size rather than a count per microbatch.
 
+    A value that is a mean-reduced ``cross_entropy``/``nll_loss`` output in every call, logged
+    without ``batch_size``, is weighted by the targets each averaged over (:class:`.losses.MeanTargets`).
     A ``batch_size`` given with the calls weighs them: a count per microbatch (tokens, items)
     when it varies between microbatches; the batch's size, which every microbatch passes alike
     (``batch_size=self.hparams.batch_size``), when it is the same in every call and equals the
@@ -298,7 +305,7 @@ def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Opti
     """
     sizes = [size for _, size, _ in entries]
     calls = [call for _, _, call in entries]
-    folded = {k: v for k, v in calls[-1].items() if k not in ("is_loss", "source")}
+    folded = {k: v for k, v in calls[-1].items() if k not in ("is_loss", "source", "count")}
     given = [c["batch_size"] for c in calls]
     constant = False
     if given[-1] is not None:
@@ -311,6 +318,8 @@ def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Opti
     if all(c.get("is_loss") for c in calls):
         reduce_fx = "sum" if loss_weights is None else "mean"
         sizes = sizes if loss_weights is None else [loss_weights[i] for i, _, _ in entries]
+    elif given[-1] is None and all("count" in c for c in calls) and _name_of(reduce_fx) in _MEAN:
+        sizes = [c["count"] for c in calls]  # a cross_entropy mean: over the targets it counted, as over the batch
     if isinstance(value, tuple) and value and value[0] == "metric":
         forward = _reduce([c["value"][2] for c in calls], sizes, "mean")
         folded["value"] = ("metric", value[1], forward)

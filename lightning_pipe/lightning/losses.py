@@ -113,7 +113,8 @@ class MeanTargets:
                 with torch.no_grad():
                     kept = target != a["ignore_index"]
                     count = kept.sum() if weight is None else weight[target[kept]].sum()
-                self._seen[out.data_ptr()] = (out, count, bool(not kept.all()))
+                # kept (without its graph) so that its memory is not reused while it is looked up by address
+                self._seen[out.data_ptr()] = (out.detach(), count, bool(not kept.all()))
             return out
 
         counted.__wrapped__ = function  # type: ignore[attr-defined]

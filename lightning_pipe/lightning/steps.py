@@ -59,6 +59,7 @@ class StepRunner:
         self.watch_loggers_on: Optional[int] = None  # global rank of the last stage of replica 0, where not 0
         self.in_step = False  # the user's step is running (on a stage: the world's collectives are refused)
         self.targets = MeanTargets()  # what a cross_entropy loss averaged over, in the run that returns the loss
+        recorder.count_of = self.targets.count_of  # a logged one folds by it too
         self._warned_targets = False
 
     def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
