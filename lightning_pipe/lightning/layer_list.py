@@ -272,7 +272,10 @@ class PipelinedLayerList(StandIn, nn.Module):
                     and all(a is b for a, b in zip(tensors, others))):
                 raise BodyCallError(
                     f"{hook} called block {index} of `self.{path}` with other extra arguments than block 0; under "
-                    "PipeStrategy every block gets the same ones (only the hidden state, the first argument, changes)"
+                    "PipeStrategy every block gets the same ones (only the hidden state, the first argument, changes). "
+                    "A model that alternates attention types, giving its layers a sliding-window mask or a full one "
+                    "(Gemma 2 and 3, Qwen2 with use_sliding_window), is not supported yet: give every layer the same "
+                    "attention type, or pass what differs per layer to the blocks as an attribute of each block"
                 )
 
     def call_block(self, index: int, args: tuple, kwargs: dict) -> Any:
