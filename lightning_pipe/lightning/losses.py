@@ -103,6 +103,8 @@ class MeanTargets:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             out = function(*args, **kwargs)
+            if torch.compiler.is_compiling():  # traced by torch.compile: no tensor to count yet, and nothing to see
+                return out
             a = {**defaults, **dict(zip(names, args)), **kwargs}  # not inspect's bind: 5 times slower
             target, weight = a.get("target"), a["weight"]
             if (a["reduction"] == "mean" and a["size_average"] is None and a["reduce"] is None
