@@ -33,6 +33,7 @@ LM_LAUNCHES = {
         _spec("denoise", "denoise", "ddp", 1, epochs=NOISE_EPOCHS), _spec("frozen", "frozen", "ddp", 1),
         _spec("paramfree", "paramfree", "ddp", 1), _spec("fp16", "fp16", "ddp", 1, fp16_scale=256.0),
         _spec("llama_2ep", "llama", "ddp", 1, epochs=2), _spec("cached", "cached", "ddp", 1),
+        _spec("alternating", "alternating", "ddp", 1),
         *[dict(name=f"{app}_ddp", app=app, strategy="ddp", devices=1) for app in APPS],
     ],
     "world2": [
@@ -42,6 +43,9 @@ LM_LAUNCHES = {
         _spec("diffusion_p2", "diffusion", "pipe", 2), _spec("mixup_p2", "mixup", "pipe", 2, schedule="gpipe"),
         _spec("cached_p2", "cached", "pipe", 2), _spec("cached_p2_ckpt", "cached", "pipe", 2, checkpoint="always"),
         _spec("mean_ce_p2", "mean_ce", "pipe", 2), _spec("mean_ce_derived_p2", "mean_ce_derived", "pipe", 2),
+        # a sliding-window mask for every other block: the blocks' own extra arguments
+        _spec("alternating_p2", "alternating", "pipe", 2, checkpoint="always"),
+        _spec("alternating_p2v2", "alternating", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2),
         _spec("llama_ddp2", "llama", "ddp", 2), _spec("frozen_p2", "frozen", "pipe", 2),
         _spec("paramfree_p2", "paramfree", "pipe", 2, balance=[4, 2]),
         _spec("unbalanced_time", "unbalanced", "pipe", 2, balance="time", steps=1),

@@ -22,7 +22,7 @@ Cases:
 - ``sum``: a regression with ``F.mse_loss(..., reduction="sum")`` under ``loss_reduction="sum"``.
 - ``denoise``, ``diffusion``, ``mixup``: steps that draw random numbers before the body (the body
   has dropout); they record their draws.
-- ``bad_args``: a loop that gives each block another mask (refused); ``ema``: an EMA teacher
+- ``bad_loop``: a loop that adds a residual around each block call (refused); ``ema``: an EMA teacher
   updated inside ``training_step`` (refused).
 
 A run with ``app`` instead of ``case`` runs ``main(kind, root, out)`` of that test module (its own model and
@@ -147,9 +147,9 @@ class LMBase(pl.LightningModule):
 
 
 class LlamaStyle(LMBase):
-    def __init__(self, n_layer: int = 4, cached: bool = False) -> None:
+    def __init__(self, n_layer: int = 4, cached: bool = False, alternating: bool = False) -> None:
         super().__init__()
-        self.n_layer, self.cached = n_layer, cached
+        self.n_layer, self.cached, self.alternating = n_layer, cached, alternating
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.layers = nn.ModuleList([CachingBlock(i) if cached else LlamaBlock() for i in range(n_layer)])
         self.norm = nn.RMSNorm(WIDTH)
@@ -171,8 +171,11 @@ class LlamaStyle(LMBase):
         if embedding_gradient_factor is not None:
             x = _ScaleGradient.apply(x, embedding_gradient_factor)
         cache = KVCache() if self.cached else None  # a new one per call, as Hugging Face models make theirs
-        for layer in self.layers[: self.n_layer]:
-            x = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin),
+        # alternating attention types (Gemma 2/3): every other layer sees a sliding window of 3 tokens only
+        masks = {"full": mask, "sliding": mask & torch.ones(t, t, dtype=torch.bool, device=tokens.device).triu(-2)}
+        for i, layer in enumerate(self.layers[: self.n_layer]):
+            kind = "sliding" if self.alternating and i % 2 == 0 else "full"
+            x = layer(x, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=(cos, sin),
                       past_key_value=cache, use_cache=self.cached)
         return self.head(self.norm(x))
 
@@ -475,13 +478,13 @@ class Materialized(Callback):
         torch.save(initial, self.path.format(rank=trainer.global_rank).replace(".json", ".pt"))
 
 
-class BadArgs(LlamaStyle):
+class ResidualLoop(LlamaStyle):
     def logits(self, tokens):
         x = self.embed(tokens)
         t = tokens.shape[1]
-        for i, layer in enumerate(self.layers):  # a different mask per block: not reproducible by a pipeline
-            mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril(diagonal=i)
-            x = layer(x, attention_mask=mask, position_ids=torch.arange(t)[None])
+        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        for layer in self.layers:  # a residual around each block call: not reproducible by a pipeline
+            x = x + layer(x, attention_mask=mask, position_ids=torch.arange(t)[None])
         return self.head(self.norm(x))
 
 
@@ -520,8 +523,9 @@ class HFCausalLM(LMBase):
         if family == "llama":
             self.model = transformers.LlamaForCausalLM(
                 transformers.LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True, **common))
-        elif family == "qwen2":  # the attention mask per layer type, looked up in the loop
-            self.model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=1, **common))
+        elif family == "qwen2":  # full attention in layers 0-1, a sliding window in 2-3: a mask per layer type
+            self.model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+                num_key_value_heads=1, use_sliding_window=True, sliding_window=4, max_window_layers=2, **common))
         elif family == "mistral":  # sliding-window attention
             self.model = transformers.MistralForCausalLM(
                 transformers.MistralConfig(num_key_value_heads=1, sliding_window=4, **common))
@@ -546,9 +550,10 @@ class HFCausalLM(LMBase):
 
 CASES = {
     "llama": (LlamaStyle, "tokens"), "cached": (lambda: LlamaStyle(cached=True), "tokens"),
+    "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
-    "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_args": (BadArgs, "tokens"),
+    "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
     "hf_mistral": (lambda: HFCausalLM("mistral"), "tokens"),

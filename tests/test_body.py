@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_pipe import BodyCallError
 from lightning_pipe.lightning.body import BodyReached, PipelinedSequential
-from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList, join_call, split_call
+from lightning_pipe.lightning.layer_list import CallChannel, HiddenStandIn, PipelinedLayerList, join_call, split_call
 
 
 class Block(nn.Module):
@@ -52,21 +52,58 @@ def test_the_stand_in_behaves_like_the_list_for_the_loop():
         layers[4]
 
 
-def test_the_first_stage_runs_its_blocks_on_the_first_call_and_stops_the_step():
+def test_the_first_stage_runs_its_blocks_at_the_final_call_and_stops_the_step():
     layers, blocks = stand_in(0, 2)
-    x, scale = torch.randn(3, 4), torch.tensor(0.5)
-    layers.begin_step("stop")
-    with pytest.raises(BodyReached) as reached:
-        for block in layers:
-            x2 = block(x, scale, flag=False)
-    hidden, sent_scale, key = reached.value.outputs
-    torch.testing.assert_close(hidden, blocks[1](blocks[0](x, scale), scale))
-    assert sent_scale is scale and key.dtype == torch.int64
-    last, _ = stand_in(2, 4, blocks, stage_index=1)
-    last.channel = layers.channel  # one store in a real job
-    (out,) = last(hidden, sent_scale, key)
-    torch.testing.assert_close(out, blocks[3](blocks[2](hidden, scale), scale))
-    assert "x2" not in locals()
+    x0, scale = torch.randn(3, 4), torch.tensor(0.5)
+    for learning in (True, False):  # the first pass runs the stage's blocks as called; later ones at the end
+        layers.begin_step("stop")
+        x = x0
+        with pytest.raises(BodyReached) as reached:
+            for i, block in enumerate(layers):
+                x = block(x, scale, flag=False)
+                if i == 1:
+                    assert isinstance(x, HiddenStandIn) != learning  # the stage's output, or a stand-in for it
+            after_the_loop = True
+        hidden, sent_scale, key = reached.value.outputs
+        torch.testing.assert_close(hidden, blocks[1](blocks[0](x0, scale), scale))
+        assert sent_scale is scale and key.dtype == torch.int64 and "after_the_loop" not in locals()
+        last, _ = stand_in(2, 4, blocks, stage_index=1)
+        last.channel = layers.channel  # one store in a real job
+        (out,) = last(hidden, sent_scale, key)
+        torch.testing.assert_close(out, blocks[3](blocks[2](hidden, scale), scale))
+
+
+@pytest.mark.parametrize("returns_tuple", [False, True])
+def test_blocks_given_their_own_extra_arguments_get_them_on_every_stage(returns_tuple):
+    """Alternating attention types (Gemma 2/3, Qwen2 with sliding windows) give each block its own mask: the
+    first stage records every call and sends one set of arguments per block."""
+    blocks = [Block(returns_tuple) for _ in range(4)]
+    first, _ = stand_in(0, 2, blocks)
+    x0 = torch.randn(3, 4)
+    masks = [torch.full((2,), float(i)) for i in range(2)]
+
+    def loop(layers, x):
+        for i, block in enumerate(layers):
+            out = block(x, mask=masks[i % 2], scale=None)
+            x = out[0] if returns_tuple else out
+        return x
+
+    def whole(x):
+        for i, block in enumerate(blocks):
+            out = block(x, mask=masks[i % 2])
+            x = out[0] if returns_tuple else out
+        return x
+
+    for _ in range(2):  # the first pass, and a later one
+        first.begin_step("stop")
+        with pytest.raises(BodyReached) as reached:
+            loop(first, x0)
+        hidden, *message = reached.value.outputs
+        assert len(message) == 3  # both masks and the key
+        last, _ = stand_in(2, 4, blocks, stage_index=1)
+        last.channel = first.channel
+        (out,) = last(hidden, *message)
+        torch.testing.assert_close(out[0] if returns_tuple else out, whole(x0))
 
 
 def _replace_step(layers, calls):
@@ -126,8 +163,6 @@ def _mean_of_last_two(layers, x):
 
 
 @pytest.mark.parametrize("loop, message", [
-    (lambda layers, x: _chain(layers, x, lambda i: (torch.tensor(float(i)),)),
-     "called block 1 of `self.layers` with other extra arguments than block 0"),
     (lambda layers, x: _chain(list(layers) * 2, x), r"in the order \[0, 1, 2, 3, 0, 1, 2, 3\]"),
     (lambda layers, x: _chain(layers[:3], x), r"in the order \[0, 1, 2\]; .* every block once"),
     (lambda layers, x: [block(x) for block in layers], "block 1 was not given the hidden state block 0 returned"),
@@ -140,10 +175,20 @@ def test_loops_a_pipeline_cannot_reproduce_are_refused(loop, message):
         _replace_step(layers, loop)
 
 
+def test_a_loop_over_part_of_the_list_is_refused_on_the_first_stage_too():
+    layers, _ = stand_in(0, 2)
+    layers.begin_step("stop")
+    x = torch.randn(2, 4)
+    for block in layers[:3]:
+        x = block(x)
+    with pytest.raises(BodyCallError, match=r"in the order \[0, 1, 2\]; .* every block once"):
+        layers.end_step("training_step", "layers")
+
+
 def test_blocks_must_start_at_zero_take_the_hidden_state_first_and_return_it():
     layers, _ = stand_in(0, 2)
     layers.begin_step("stop")
-    with pytest.raises(BodyCallError, match="first block call went to block 1"):
+    with pytest.raises(BodyCallError, match="block call 0 went to block 1; it must call every block once, in order"):
         layers[1](torch.randn(2, 4))
     with pytest.raises(BodyCallError, match="without a tensor as its first positional argument"):
         layers[0](x=torch.randn(2, 4))
@@ -167,7 +212,7 @@ def test_tuple_returning_blocks_pass_the_hidden_state_and_the_final_tuple_reache
     for block in whole:
         out = block(out)[0]
     last, _ = stand_in(2, 4, blocks, stage_index=1)
-    assert isinstance(last.run_blocks(x, (), {}, 2, 4), tuple)  # the final block's whole return value
+    assert isinstance(last.run_blocks(x, ((), {}), 2, 4), tuple)  # the final block's whole return value
 
 
 def test_a_sequential_body_called_twice_in_one_step_is_refused():
@@ -187,12 +232,13 @@ def test_a_process_with_two_stages_holds_both_under_their_names_and_runs_each_al
     second.channel = first.channel  # one store in a real job
     assert list(first.state_dict()) == ["0.linear.weight", "0.linear.bias", "2.linear.weight", "2.linear.bias"]
     assert not any(m is chunk for m in first.modules() for chunk in first.chunks)  # no second name for a block
-    x, scale = torch.randn(3, 4), torch.tensor(0.5)
+    x0, scale = torch.randn(3, 4), torch.tensor(0.5)
     first.begin_step("stop")
     with pytest.raises(BodyReached) as reached:
+        x = x0
         for block in first:
             x = block(x, scale)
-    message = reached.value.outputs
+    message, x = reached.value.outputs, x0
     torch.testing.assert_close(message[0], blocks[0](x, scale))  # stage 0 only
     message = second.chunk(0)(*message)
     torch.testing.assert_close(message[0], blocks[1](blocks[0](x, scale), scale))

@@ -89,6 +89,14 @@ def test_a_loss_that_is_cross_entropys_token_mean_itself_is_weighted_by_its_toke
         output[-3000:]  # the derived run warns, once; the others return num_items or the call's output itself
 
 
+@pytest.mark.parametrize("name", ["alternating_p2", "alternating_p2v2"])
+def test_blocks_given_their_own_masks_train_as_under_ddp(lm_runs, name):
+    """Regression: a loop giving every other block a sliding-window mask (alternating attention types, as
+    Gemma 2/3 or Qwen2 with use_sliding_window) was refused with BodyCallError; the first stage now sends each
+    block its own arguments (with checkpoint="always"; interleaved, stages 0 and 2 on process 0)."""
+    assert_same_training(lm_runs("world2")[0][name], lm_runs("reference")[0]["alternating"])
+
+
 @pytest.mark.parametrize("name", ["frozen", "paramfree"])
 def test_a_stage_without_trainable_parameters_trains_as_under_ddp(lm_runs, name):
     """Regression: a stage of frozen layers (stage 0 of a fine-tuning run) or of parameter-free
@@ -138,16 +146,17 @@ def test_tied_checkpoints_hold_one_copy_and_load_into_the_plain_module(lm_runs, 
         torch.testing.assert_close(value, result["state_dict"][key], msg=lambda m: f"{key}: {m}")
 
 
-def test_a_loop_giving_blocks_other_arguments_fails_on_every_rank_within_seconds(tmp_path_factory):
+def test_a_loop_the_pipeline_cannot_reproduce_fails_on_every_rank_within_seconds(tmp_path_factory):
+    """A residual around each block call (`x = x + block(x)`): the first stage refuses it at the second call."""
     code, seconds, survivors, output = launch_lm_app(
-        tmp_path_factory, "bad_args", [dict(name="bad", case="bad_args", strategy="pipe", devices=2)],
+        tmp_path_factory, "bad_loop", [dict(name="bad", case="bad_loop", strategy="pipe", devices=2)],
         expect_failure=True, timeout=120,
     )
     assert code != 0 and not survivors, (survivors, output[-4000:])
     assert seconds < 90, seconds
     reasons = stop_reasons(output)
-    assert "training_step called block 1 of `self.layers` with other extra arguments" in reasons[1], output[-4000:]
-    assert "because another rank failed: [pp_rank 1 | step 0 | 1F0] BodyCallError" in reasons[0], output[-4000:]
+    assert "block 1 was not given the hidden state block 0 returned" in reasons[0], output[-4000:]
+    assert "because another rank failed: [pp_rank 0 | step 0 | 0F0] BodyCallError" in reasons[1], output[-4000:]
 
 
 @pytest.mark.parametrize("launch, name, reference", [

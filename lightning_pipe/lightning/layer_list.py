@@ -7,21 +7,25 @@ and hands out proxies of the blocks. The rule for a block call:
 - its first positional argument is the hidden state, the only value that changes from block to
   block; a block returns it, or a tuple whose first element is it (what else such a tuple holds
   stays on the block's stage: only the final block's whole return value reaches the loop);
-- every other argument is an *extra argument*, and every block gets the same ones. The user's
-  step runs once per microbatch, so extra arguments are already the microbatch's (a padding mask
-  is the microbatch's rows, a rotary table is whole): no splitting rule is needed. Tensors travel
-  with the hidden state from stage to stage (gradients come back for those that require them);
-  everything else (None, flags, numbers, the structure of tuples and dicts) travels once, as a
+- every other argument is an *extra argument*. The user's step runs once per microbatch, so
+  extra arguments are already the microbatch's (a padding mask is the microbatch's rows, a rotary
+  table is whole): no splitting rule is needed. Blocks may get different ones (a sliding-window
+  mask for some layers, a full one for others, as models alternating attention types pass
+  them): the first stage then sends one set per block, else one for all. Tensors travel with the
+  hidden state from stage to stage (gradients come back for those that require them); everything
+  else (None, flags, numbers, the structure of tuples and dicts) travels once, as a
   content-addressed record in the job's store, and each message carries its 64-bit id. Other
   objects are values too: each run of a stage's blocks (a microbatch's forward, its recomputation
   under activation checkpointing) gets its own copy of them as they were at the loop's first
   block call, so a stateful one (a Hugging Face key/value ``Cache``, which every block appends to)
   sees one microbatch's forward on every stage, as under DDP, never another microbatch's.
 
-On the first stage the first block call runs the stage's blocks and stops the step. On the last
-stage the final block's call returns the final output, and every call is checked against the
-first (same extra arguments, each block once, in order, each block given the hidden state the one
-before it returned). The calls before the final one return a stand-in for their hidden state
+On the first stage the loop runs through, every call recorded, and the final block call runs the
+stage's blocks, each with the extra arguments it was called with, and stops the step (in the
+first pass the stage's blocks run as they are called instead, which shows what they return).
+On the last stage the final block's call returns the final output. On both, every call is
+checked (each block once, in order, each block given the hidden state the one before it
+returned), and the calls that do not run a block return a stand-in for their hidden state
 (:class:`HiddenStandIn`) that only the next block call may take: code of the loop that uses a
 block's output otherwise (a residual added around the call, hidden states collected per block)
 raises. So a loop that the pipeline cannot reproduce fails loudly instead of training something
@@ -49,6 +53,8 @@ from lightning_pipe.lightning.body import BodyReached, StandIn
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
 Structure = Tuple[Any, tuple, tuple]  # (tree spec, non-tensor leaves, tensor slot per leaf or -1)
+_PER_BLOCK = "lightning_pipe_calls_per_block"  # the only keyword of a call structure holding one call per block
+_UNKNOWN = object()
 
 
 def split_call(args: tuple, kwargs: dict) -> Tuple[Structure, List[torch.Tensor]]:
@@ -230,7 +236,12 @@ class PipelinedLayerList(StandIn, nn.Module):
         self.length = len(blocks)
         self.channel = channel
         self._seen: List[Tuple[int, Structure, List[torch.Tensor]]] = []
-        self._handed: Optional[torch.Tensor] = None  # the stand-in the last call returned (last stage)
+        self._handed: Optional[torch.Tensor] = None  # the stand-in (or hidden state) the last call returned
+        # learned on the first stage from the loop's first pass: what a block returns besides the hidden state
+        self._tail: Any = _UNKNOWN  # None (the hidden state alone) or (tuple type, the other elements)
+        self._input: Optional[torch.Tensor] = None  # the first block's hidden state in this pass (first stage)
+        self._output: Optional[torch.Tensor] = None  # the stage's output, in the first pass
+        self._learning = False  # this pass is the first: the stage's blocks run as they are called
         # not registered: the blocks' names stay the list's own
         self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
 
@@ -250,7 +261,7 @@ class PipelinedLayerList(StandIn, nn.Module):
     def begin_step(self, mode: str, replacement: Optional[tuple] = None, checkpoint_layers: bool = False) -> None:
         super().begin_step(mode, replacement, checkpoint_layers)
         self._seen = []
-        self._handed = None
+        self._handed = self._input = self._output = None
 
     def reached(self) -> bool:
         return bool(self._seen)  # the loop's first block call (calls counts the Sequential stand-in's)
@@ -258,7 +269,7 @@ class PipelinedLayerList(StandIn, nn.Module):
     def end_step(self, hook: str, path: str) -> None:
         mode, seen = self.mode, self._seen
         self.begin_step("local")
-        if mode != "replace":
+        if mode != "replace" and not (mode == "stop" and seen):  # the first stage stops at the final call
             return
         order = [index for index, _, _ in seen]
         if order != list(range(self.length)):
@@ -266,17 +277,6 @@ class PipelinedLayerList(StandIn, nn.Module):
                 f"{hook} called the blocks of `self.{path}` in the order {order}; under PipeStrategy the loop must call "
                 f"every block once, in order (0..{self.length - 1}), in one pass"
             )
-        _, first, tensors = seen[0]
-        for index, structure, others in seen[1:]:
-            if not (_same_structure(first, structure) and len(tensors) == len(others)
-                    and all(a is b for a, b in zip(tensors, others))):
-                raise BodyCallError(
-                    f"{hook} called block {index} of `self.{path}` with other extra arguments than block 0; under "
-                    "PipeStrategy every block gets the same ones (only the hidden state, the first argument, changes). "
-                    "A model that alternates attention types, giving its layers a sliding-window mask or a full one "
-                    "(Gemma 2 and 3, Qwen2 with use_sliding_window), is not supported yet: give every layer the same "
-                    "attention type, or pass what differs per layer to the blocks as an attribute of each block"
-                )
 
     def call_block(self, index: int, args: tuple, kwargs: dict) -> Any:
         """One call of the user's loop."""
@@ -305,18 +305,74 @@ class PipelinedLayerList(StandIn, nn.Module):
             self._handed = HiddenStandIn.of(hidden, index)
             out = self.replacement[0]
             return self._handed if isinstance(out, torch.Tensor) else type(out)((self._handed, *out[1:]))
-        if index != 0:
-            raise BodyCallError(f"the loop's first block call went to block {index}; it must start at block 0")
-        key = self.channel.publish(structure)
-        hidden = self.run_checkpointed(
-            lambda h: self.run_blocks(h, *join_call(self.channel.lookup(key), tensors), *self.ranges[0]), args[0])
+        return self._first_stage_call(index, args, structure, tensors)
+
+    def _first_stage_call(self, index: int, args: tuple, structure: Structure, tensors: List[torch.Tensor]) -> Any:
+        """A block call of the loop on the first stage ("stop" mode), recorded: at the final call the stage's
+        blocks run, each with the extra arguments it was called with, and the step stops.
+
+        Every call before the final one returns a stand-in for the hidden state, shaped as the blocks return
+        it. The first pass learns that shape from the stage's own blocks: they run as they are called.
+        """
+        seen = self._seen
+        if index != len(seen):
+            raise BodyCallError(f"the loop's block call {len(seen)} went to block {index}; it must call every block "
+                                f"once, in order, starting at block 0")
+        if seen and args[0] is not self._handed:
+            raise BodyCallError(
+                f"block {index} was not given the hidden state block {index - 1} returned: the loop changed it between "
+                "the calls (e.g. `x = x + block(x)`, or a function of the block's output). Under PipeStrategy each "
+                "block's output goes straight to the next block; move that code into the block")
+        seen.append((index, structure, tensors))
+        start, stop = self.ranges[0]
+        if index == 0:
+            self._input, self._learning = args[0], self._tail is _UNKNOWN
+        if index == stop and self._learning:
+            self._output = args[0]  # what the stage's blocks returned, run as they were called
+        if index == self.length - 1:
+            self._reach(seen, learned=self._output if self._learning else None)
+        if self._learning and index < stop:  # the first pass: this stage's block runs now
+            key = self.channel.publish(structure)
+            out = self.run_checkpointed(lambda h: self.run_blocks(h, join_call(self.channel.lookup(key), tensors),
+                                                                  index, index + 1, whole=True), args[0])
+            self._handed = _hidden_of(out, index)
+            if index == stop - 1:
+                self._tail = None if isinstance(out, torch.Tensor) else (type(out), tuple(out[1:]))
+            return out if isinstance(out, torch.Tensor) else type(out)((self._handed, *out[1:]))
+        self._handed = HiddenStandIn.of(args[0], index)
+        tail = self._tail if self._tail is not _UNKNOWN else None
+        return self._handed if tail is None else tail[0]((self._handed, *tail[1]))
+
+    def _reach(self, seen: List[Tuple[int, Structure, List[torch.Tensor]]], learned: Optional[torch.Tensor]) -> None:
+        """At the loop's final block call on the first stage: the stage's output and the message for the next
+        stage (one set of extra arguments when every block got the same, else one per block); the step stops.
+
+        Args:
+            learned: in the first pass, the stage's output (its blocks ran as they were called).
+        """
+        _, first, tensors = seen[0]
+        same = all(_same_structure(first, structure) and len(tensors) == len(others)
+                   and all(a is b for a, b in zip(tensors, others)) for _, structure, others in seen[1:])
+        if not same:
+            calls = tuple(join_call(structure, others) for _, structure, others in seen)
+            first, tensors = split_call((), {_PER_BLOCK: calls})
+        key = self.channel.publish(first)
+        hidden = learned if learned is not None else self.run_checkpointed(
+            lambda h: self.run_blocks(h, join_call(self.channel.lookup(key), tensors), *self.ranges[0]), self._input)
         raise BodyReached((hidden, *tensors, torch.tensor([key], dtype=torch.int64, device=hidden.device)))
 
-    def run_blocks(self, hidden: torch.Tensor, args: tuple, kwargs: dict, start: int, stop: int) -> Any:
-        """Blocks ``start..stop-1`` on ``hidden``; the final block's whole return value if it is among them."""
+    def run_blocks(self, hidden: torch.Tensor, call: Tuple[tuple, dict], start: int, stop: int,
+                   whole: bool = False) -> Any:
+        """Blocks ``start..stop-1`` on ``hidden`` with the extra arguments ``call`` (one ``(args, kwargs)`` for all,
+        or one per block); the hidden state they return, or (``whole``, or the final block) the last one's whole
+        return value."""
+        args, kwargs = call
+        per_block = kwargs.get(_PER_BLOCK) if not args and len(kwargs) == 1 else None
         for i in range(start, stop):
+            if per_block is not None:
+                args, kwargs = per_block[i]
             out = self.blocks[i](hidden, *args, **kwargs)
-            if i == self.length - 1:
+            if i == self.length - 1 or (whole and i == stop - 1):
                 return out
             hidden = _hidden_of(out, i)
         return hidden
@@ -324,9 +380,8 @@ class PipelinedLayerList(StandIn, nn.Module):
     def run_message(self, k: int, hidden: torch.Tensor, *message: torch.Tensor) -> tuple:
         """This rank's ``k``-th stage on a received message ``(hidden, *extra tensors, call id)``."""
         *tensors, key = message
-        args, kwargs = join_call(self.channel.lookup(int(key.item())), tensors)
         start, stop = self.ranges[k]
-        out = self.run_blocks(hidden, args, kwargs, start, stop)
+        out = self.run_blocks(hidden, join_call(self.channel.lookup(int(key.item())), tensors), start, stop)
         if stop == self.length:
             return (out,)  # the last stage: the final block's return value, whole, for the user's loop
         return (out, *tensors, key)
@@ -382,9 +437,11 @@ class HiddenStandIn(torch.Tensor):
 
     @staticmethod
     def of(hidden: torch.Tensor, index: int) -> "HiddenStandIn":
-        stand_in = torch.Tensor._make_subclass(HiddenStandIn, torch.empty_like(hidden, device="meta"),
-                                               hidden.requires_grad)
-        stand_in._block, stand_in._device = index, hidden.device
+        with torch._C.DisableTorchFunctionSubclass():  # ``hidden`` may be a stand-in itself (first stage)
+            meta = torch.empty_like(hidden, device="meta")
+            device, requires_grad = hidden.device, hidden.requires_grad
+        stand_in = torch.Tensor._make_subclass(HiddenStandIn, meta, requires_grad)
+        stand_in._block, stand_in._device = index, device
         return stand_in
 
     @classmethod
