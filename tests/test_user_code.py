@@ -80,8 +80,12 @@ def test_the_loss_account_checks_what_it_can():
     empty = LossAccount([2, 2], "mean")
     root = empty.add(0, torch.tensor(float("nan"), requires_grad=True), {"loss": torch.tensor(0.0), "num_items": 0})
     assert root.item() == 0.0 and root.requires_grad  # a microbatch with no item adds nothing, and no NaN
-    empty.add(1, torch.tensor(2.0), {"loss": torch.tensor(2.0), "num_items": 5})
-    assert empty.normalizer() == 5.0 and empty.log_weights() == [0.0, 5.0]
+    second = empty.add(1, torch.tensor(2.0), {"loss": torch.tensor(2.0), "num_items": 5})
+    assert empty.log_weights() == [0.0, 5.0] and (root + second) / empty.normalizer() == 2.0  # the batch's mean
+    assert LossAccount([2], "mean").normalizer() is None  # no count: nothing to divide by
+    one = LossAccount([4], "mean")  # one microbatch: its loss as it is, as one step over the batch
+    assert one.add(0, torch.tensor(3.0), {"loss": torch.tensor(3.0), "num_items": 7}).item() == 3.0
+    assert one.normalizer() == 1.0
 
 
 def test_mean_targets_counts_what_a_mean_cross_entropy_or_nll_loss_averaged_over():
@@ -102,9 +106,10 @@ def test_mean_targets_counts_what_a_mean_cross_entropy_or_nll_loss_averaged_over
     assert targets.count_of(summed) is None and targets.count_of(soft) is None and targets.count_of(by_module * 2) is None
     assert targets.ignored_some()
     account = LossAccount([3, 2], "mean")  # the count stands for num_items
-    account.add(0, by_module, by_module, counted=targets.count_of(by_module))
-    account.add(1, weighted, {"loss": weighted, "num_items": 9}, counted=targets.count_of(weighted))  # given wins
-    assert account.log_weights() == [3.0, 9.0] and account.normalizer() == 12.0
+    first = account.add(0, by_module, by_module, counted=targets.count_of(by_module))
+    second = account.add(1, weighted, {"loss": weighted, "num_items": 9}, counted=targets.count_of(weighted))  # given
+    assert account.log_weights() == [3.0, 9.0]  # wins
+    torch.testing.assert_close((first + second) / account.normalizer(), (3 * by_module + 9 * weighted) / 12)
 
 
 def test_step_results_merge_like_one_step_over_the_batch():

@@ -147,6 +147,7 @@ class LossAccount:
         self.reduction = reduction
         self.items: Dict[int, Optional[float]] = {}
         self.extras: Dict[int, Dict[str, Any]] = {}
+        self._reference: Optional[float] = None  # see add: the first count with items, times the microbatches
 
     def add(self, i: int, loss: torch.Tensor, output: Any, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Note microbatch ``i``'s result; return what its backward starts from.
@@ -178,22 +179,28 @@ class LossAccount:
             return loss * (self.sizes[i] / sum(self.sizes))
         if items == 0:  # its loss is 0/0; it adds nothing, and its backward must not spread NaN
             return torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
-        return loss * items
+        # Weighted by items / reference, the total (unknown until the last microbatch) divided by the reference
+        # at the end: the backward runs near the scale one step over the batch gives it (exactly, with one
+        # microbatch or equal counts), which matters where a model computes in float32 inside a float64 run.
+        if self._reference is None:
+            self._reference = items * len(self.sizes)
+        return loss * (items / self._reference)
 
     @property
     def counts_items(self) -> bool:
         return any(v is not None for v in self.items.values())
 
-    def normalizer(self) -> float:
-        """What the step's summed losses and gradients are divided by: the total count, or 1."""
+    def normalizer(self) -> Optional[float]:
+        """What the step's summed losses and gradients are divided by at its end (the total count over the
+        reference :meth:`add` scaled by), or None when the step counts no items (nothing to divide)."""
         if not self.counts_items:
-            return 1.0
+            return None
         total = sum(self.items.values())
         if total <= 0:
             raise ConfigurationError(
                 f"the step's 'num_items' add up to {total} over the batch; the loss averages over no item"
             )
-        return total
+        return total / self._reference
 
     def log_weights(self) -> Optional[List[float]]:
         """Per microbatch, the weight of its loss in the batch's mean (None: summed)."""

@@ -182,7 +182,7 @@ class StepRunner:
                            for i, (out, part) in enumerate(zip(per_microbatch, parts))]
                 outputs = outputs_of(results, self.account, pipeline.last_sizes)
                 shared = {"outputs": outputs}  # what on_*_batch_end gets on every rank, as under DDP
-                summary = (None, self.folded_logs(pipeline.last_sizes), shared, 1.0)
+                summary = (None, self.folded_logs(pipeline.last_sizes), shared, None)
             pipeline.reseed(rng.END)
         return outputs, summary
 

@@ -466,12 +466,14 @@ class PipeStrategy(DDPStrategy):
             summary = (loss, self._runner.folded_logs(self._pipeline.last_sizes), account.merged_extras(),
                        account.normalizer()) if last else None
             loss, extras, normalizer = self._share_results(summary, posted, "training_step", loaded)
-            if normalizer != 1.0:  # the losses were weighted by num_items: divide by their total now
+            if normalizer is not None:  # the losses were weighted by num_items: divide by their total now
                 if overlap:
                     raise ConfigurationError(
-                        "this training_step returned 'num_items' after earlier steps that did not; PipeStrategy "
-                        "averaged the gradients over the replicas already. Return 'num_items' from every step")
-                gradients.scale_grads(self._pending_grads, 1.0 / normalizer)
+                        "this training_step returned 'num_items' (or cross_entropy's mean itself, which counts its "
+                        "targets) after earlier steps that did not; PipeStrategy averaged the gradients over the "
+                        "replicas already. Return 'num_items' from every step")
+                if normalizer != 1.0:
+                    gradients.scale_grads(self._pending_grads, 1.0 / normalizer)
             self._ties.sum_(self._pending_grads)
             gradients.add_grads(earlier)
             self._synced_in_step = overlap
@@ -525,7 +527,7 @@ class PipeStrategy(DDPStrategy):
         split.release_unused(self._called, self._bare_optimizers())
         averaging.follow_releases(module.trainer.callbacks, module)
 
-    def _start_overlap(self, normalizer: float) -> None:
+    def _start_overlap(self, normalizer: Optional[float]) -> None:
         """After the first step: average over the replicas inside later steps, overlapped with their
         backward (see :mod:`lightning_pipe.replicas`), where that equals averaging after the step.
 
@@ -537,7 +539,7 @@ class PipeStrategy(DDPStrategy):
         Several stages per rank also average after the step (their parameters' last backwards
         are not told apart here).
         """
-        if self.dp_size == 1 or self.lightning_module.trainer.accumulate_grad_batches != 1 or normalizer != 1.0 \
+        if self.dp_size == 1 or self.lightning_module.trainer.accumulate_grad_batches != 1 or normalizer is not None \
                 or len(self._pipeline.stages) != 1:
             return
         trained = [p for p, g in self._pending_grads.items() if g is not None]
@@ -583,7 +585,7 @@ class PipeStrategy(DDPStrategy):
             trainer.should_stop = trainer.should_stop or should_stop
         logs.replay(module, calls, self.root_device)
         loss, extras = move_data_to_device((loss, extras), self.root_device)
-        if loss is not None:
+        if loss is not None and normalizer is not None:
             loss = loss / normalizer
         return loss, extras, normalizer
 
