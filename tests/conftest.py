@@ -33,7 +33,7 @@ LM_LAUNCHES = {
         _spec("denoise", "denoise", "ddp", 1, epochs=NOISE_EPOCHS), _spec("frozen", "frozen", "ddp", 1),
         _spec("paramfree", "paramfree", "ddp", 1), _spec("fp16", "fp16", "ddp", 1, fp16_scale=256.0),
         _spec("llama_2ep", "llama", "ddp", 1, epochs=2), _spec("cached", "cached", "ddp", 1),
-        _spec("alternating", "alternating", "ddp", 1),
+        _spec("alternating", "alternating", "ddp", 1), _spec("float32_norm", "float32_norm", "ddp", 1),
         *[dict(name=f"{app}_ddp", app=app, strategy="ddp", devices=1) for app in APPS],
     ],
     "world2": [
@@ -46,6 +46,7 @@ LM_LAUNCHES = {
         # a sliding-window mask for every other block: the blocks' own extra arguments
         _spec("alternating_p2", "alternating", "pipe", 2, checkpoint="always"),
         _spec("alternating_p2v2", "alternating", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2),
+        _spec("float32_norm_mb1", "float32_norm", "pipe", 2, microbatches=1),
         _spec("llama_ddp2", "llama", "ddp", 2), _spec("frozen_p2", "frozen", "pipe", 2),
         _spec("paramfree_p2", "paramfree", "pipe", 2, balance=[4, 2]),
         _spec("unbalanced_time", "unbalanced", "pipe", 2, balance="time", steps=1),

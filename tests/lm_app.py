@@ -132,6 +132,13 @@ class CachingBlock(LlamaBlock):
         return x + self.mlp(self.norm2(x))
 
 
+class Float32RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in float32 whatever the model's dtype, as Hugging Face's Llama and Gemma norms are."""
+
+    def forward(self, x):
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
+
+
 class LMBase(pl.LightningModule):
     """Token-mean cross entropy over non-padding tokens, declared with num_items."""
 
@@ -147,12 +154,13 @@ class LMBase(pl.LightningModule):
 
 
 class LlamaStyle(LMBase):
-    def __init__(self, n_layer: int = 4, cached: bool = False, alternating: bool = False) -> None:
+    def __init__(self, n_layer: int = 4, cached: bool = False, alternating: bool = False,
+                 float32_norm: bool = False) -> None:
         super().__init__()
         self.n_layer, self.cached, self.alternating = n_layer, cached, alternating
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.layers = nn.ModuleList([CachingBlock(i) if cached else LlamaBlock() for i in range(n_layer)])
-        self.norm = nn.RMSNorm(WIDTH)
+        self.norm = Float32RMSNorm(WIDTH) if float32_norm else nn.RMSNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, WIDTH // HEADS, 2) / (WIDTH // HEADS)),
                              persistent=False)
@@ -551,6 +559,7 @@ class HFCausalLM(LMBase):
 CASES = {
     "llama": (LlamaStyle, "tokens"), "cached": (lambda: LlamaStyle(cached=True), "tokens"),
     "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
+    "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),

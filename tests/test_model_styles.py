@@ -97,6 +97,13 @@ def test_blocks_given_their_own_masks_train_as_under_ddp(lm_runs, name):
     assert_same_training(lm_runs("world2")[0][name], lm_runs("reference")[0]["alternating"])
 
 
+def test_a_counted_loss_with_one_microbatch_trains_bit_for_bit_as_under_ddp(lm_runs):
+    """Regression: a loss with num_items backpropagated loss x count (divided by the total at the step's end), so
+    a norm computed in float32 inside the float64 model rounded its gradients at another scale than DDP's."""
+    assert_same_training(lm_runs("world2")[0]["float32_norm_mb1"], lm_runs("reference")[0]["float32_norm"],
+                         rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["frozen", "paramfree"])
 def test_a_stage_without_trainable_parameters_trains_as_under_ddp(lm_runs, name):
     """Regression: a stage of frozen layers (stage 0 of a fine-tuning run) or of parameter-free
