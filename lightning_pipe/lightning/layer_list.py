@@ -260,8 +260,9 @@ class PipelinedLayerList(StandIn, nn.Module):
 
     def begin_step(self, mode: str, replacement: Optional[tuple] = None, checkpoint_layers: bool = False) -> None:
         super().begin_step(mode, replacement, checkpoint_layers)
-        self._seen = []
-        self._handed = self._input = self._output = None
+        # straight into __dict__ (per call, so kept cheap): nn.Module.__setattr__ first looks for a parameter,
+        # buffer or submodule of the name, and tensors are what these hold
+        self.__dict__.update(_seen=[], _handed=None, _input=None, _output=None, _last_split=None)
 
     def reached(self) -> bool:
         return bool(self._seen)  # the loop's first block call (calls counts the Sequential stand-in's)
@@ -289,7 +290,7 @@ class PipelinedLayerList(StandIn, nn.Module):
                 f"block {index} was called without a tensor as its first positional argument; under PipeStrategy "
                 "the hidden state is the first positional argument of every block call"
             )
-        structure, tensors = split_call(args[1:], kwargs)
+        structure, tensors = self._split(args[1:], kwargs)
         if self.mode == "replace":
             if self._seen and index == self._seen[-1][0] + 1 and args[0] is not self._handed:  # order: end_step
                 raise BodyCallError(
@@ -302,10 +303,22 @@ class PipelinedLayerList(StandIn, nn.Module):
             if index == self.length - 1:
                 return self.replacement[0]
             hidden = _hidden_of(self.replacement[0], index)
-            self._handed = HiddenStandIn.of(hidden, index)
+            self.__dict__["_handed"] = HiddenStandIn.of(hidden, index)
             out = self.replacement[0]
             return self._handed if isinstance(out, torch.Tensor) else type(out)((self._handed, *out[1:]))
         return self._first_stage_call(index, args, structure, tensors)
+
+    def _split(self, args: tuple, kwargs: dict) -> Tuple[Structure, List[torch.Tensor]]:
+        """:func:`split_call`, reusing the previous call's result when the loop passes the very same objects
+        (a loop gives every block the same mask, the same rotary tuple: flattening them again per block is most
+        of a call's cost)."""
+        last = self.__dict__.get("_last_split")
+        if last is not None and len(last[0]) == len(args) and last[1].keys() == kwargs.keys() \
+                and all(a is b for a, b in zip(last[0], args)) and all(last[1][k] is v for k, v in kwargs.items()):
+            return last[2], last[3]
+        structure, tensors = split_call(args, kwargs)
+        self.__dict__["_last_split"] = (args, kwargs, structure, tensors)
+        return structure, tensors
 
     def _first_stage_call(self, index: int, args: tuple, structure: Structure, tensors: List[torch.Tensor]) -> Any:
         """A block call of the loop on the first stage ("stop" mode), recorded: at the final call the stage's
@@ -326,20 +339,20 @@ class PipelinedLayerList(StandIn, nn.Module):
         seen.append((index, structure, tensors))
         start, stop = self.ranges[0]
         if index == 0:
-            self._input, self._learning = args[0], self._tail is _UNKNOWN
+            self.__dict__.update(_input=args[0], _learning=self._tail is _UNKNOWN)
         if index == stop and self._learning:
-            self._output = args[0]  # what the stage's blocks returned, run as they were called
+            self.__dict__["_output"] = args[0]  # what the stage's blocks returned, run as they were called
         if index == self.length - 1:
             self._reach(seen, learned=self._output if self._learning else None)
         if self._learning and index < stop:  # the first pass: this stage's block runs now
             key = self.channel.publish(structure)
             out = self.run_checkpointed(lambda h: self.run_blocks(h, join_call(self.channel.lookup(key), tensors),
                                                                   index, index + 1, whole=True), args[0])
-            self._handed = _hidden_of(out, index)
+            self.__dict__["_handed"] = _hidden_of(out, index)
             if index == stop - 1:
                 self._tail = None if isinstance(out, torch.Tensor) else (type(out), tuple(out[1:]))
             return out if isinstance(out, torch.Tensor) else type(out)((self._handed, *out[1:]))
-        self._handed = HiddenStandIn.of(args[0], index)
+        self.__dict__["_handed"] = HiddenStandIn.of(args[0], index)
         tail = self._tail if self._tail is not _UNKNOWN else None
         return self._handed if tail is None else tail[0]((self._handed, *tail[1]))
 
@@ -351,8 +364,9 @@ class PipelinedLayerList(StandIn, nn.Module):
             learned: in the first pass, the stage's output (its blocks ran as they were called).
         """
         _, first, tensors = seen[0]
-        same = all(_same_structure(first, structure) and len(tensors) == len(others)
-                   and all(a is b for a, b in zip(tensors, others)) for _, structure, others in seen[1:])
+        same = all((structure is first and others is tensors) or (
+            _same_structure(first, structure) and len(tensors) == len(others)
+            and all(a is b for a, b in zip(tensors, others))) for _, structure, others in seen[1:])
         if not same:
             calls = tuple(join_call(structure, others) for _, structure, others in seen)
             first, tensors = split_call((), {_PER_BLOCK: calls})
@@ -437,11 +451,12 @@ class HiddenStandIn(torch.Tensor):
 
     @staticmethod
     def of(hidden: torch.Tensor, index: int) -> "HiddenStandIn":
-        with torch._C.DisableTorchFunctionSubclass():  # ``hidden`` may be a stand-in itself (first stage)
-            meta = torch.empty_like(hidden, device="meta")
-            device, requires_grad = hidden.device, hidden.requires_grad
+        if isinstance(hidden, HiddenStandIn):  # the first stage's loop passes stand-ins on: their meta data again
+            meta, device, requires_grad = hidden._meta, hidden._device, hidden._requires_grad
+        else:  # (empty_like of a meta tensor subclass goes through torch's slow reference path: 60 µs)
+            meta, device, requires_grad = torch.empty_like(hidden, device="meta"), hidden.device, hidden.requires_grad
         stand_in = torch.Tensor._make_subclass(HiddenStandIn, meta, requires_grad)
-        stand_in._block, stand_in._device = index, device
+        stand_in._block, stand_in._device, stand_in._meta, stand_in._requires_grad = index, device, meta, requires_grad
         return stand_in
 
     @classmethod
