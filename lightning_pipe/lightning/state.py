@@ -9,9 +9,10 @@ parameter *names*, so a checkpoint moves between plain training and any number o
 
 from __future__ import annotations
 
+import heapq
 import os
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -75,14 +76,24 @@ def merge_orders(lists: Sequence[Sequence[str]], order: Sequence[str]) -> List[s
             if b not in after[a]:
                 after[a].add(b)
                 before_count[b] += 1
-    merged, left = [], set(after)
-    while left:
-        ready = [n for n in left if before_count[n] == 0] or list(left)  # stages disagree: fall back to `order`
-        name = min(ready, key=key)
+    # Kahn's algorithm with a heap: a group may hold thousands of parameters, and this runs at every checkpoint
+    ready = [(key(n), n) for n, count in before_count.items() if count == 0]
+    heapq.heapify(ready)
+    merged: List[str] = []
+    done: Set[str] = set()
+    while len(merged) < len(after):
+        if ready:
+            _, name = heapq.heappop(ready)
+        else:  # the stages disagree (a cycle): the earliest name left in `order`
+            name = min((n for n in after if n not in done), key=key)
+        if name in done:
+            continue
         merged.append(name)
-        left.discard(name)
+        done.add(name)
         for b in after[name]:
             before_count[b] -= 1
+            if before_count[b] == 0 and b not in done:
+                heapq.heappush(ready, (key(b), b))
     return merged
 
 
