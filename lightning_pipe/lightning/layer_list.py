@@ -346,8 +346,12 @@ class PipelinedLayerList(StandIn, nn.Module):
             self._reach(seen, learned=self._output if self._learning else None)
         if self._learning and index < stop:  # the first pass: this stage's block runs now
             key = self.channel.publish(structure)
-            out = self.run_checkpointed(lambda h: self.run_blocks(h, join_call(self.channel.lookup(key), tensors),
-                                                                  index, index + 1, whole=True), args[0])
+
+            def run(hidden: torch.Tensor) -> Any:  # its own copy of the arguments, the recomputation's too
+                block_args, block_kwargs = join_call(self.channel.lookup(key), tensors)
+                return self.blocks[index](hidden, *block_args, **block_kwargs)
+
+            out = self.run_checkpointed(run, args[0])
             self.__dict__["_handed"] = _hidden_of(out, index)
             if index == stop - 1:
                 self._tail = None if isinstance(out, torch.Tensor) else (type(out), tuple(out[1:]))
@@ -375,18 +379,16 @@ class PipelinedLayerList(StandIn, nn.Module):
             lambda h: self.run_blocks(h, join_call(self.channel.lookup(key), tensors), *self.ranges[0]), self._input)
         raise BodyReached((hidden, *tensors, torch.tensor([key], dtype=torch.int64, device=hidden.device)))
 
-    def run_blocks(self, hidden: torch.Tensor, call: Tuple[tuple, dict], start: int, stop: int,
-                   whole: bool = False) -> Any:
+    def run_blocks(self, hidden: torch.Tensor, call: Tuple[tuple, dict], start: int, stop: int) -> Any:
         """Blocks ``start..stop-1`` on ``hidden`` with the extra arguments ``call`` (one ``(args, kwargs)`` for all,
-        or one per block); the hidden state they return, or (``whole``, or the final block) the last one's whole
-        return value."""
+        or one per block); the final block's whole return value if it is among them."""
         args, kwargs = call
         per_block = kwargs.get(_PER_BLOCK) if not args and len(kwargs) == 1 else None
         for i in range(start, stop):
             if per_block is not None:
                 args, kwargs = per_block[i]
             out = self.blocks[i](hidden, *args, **kwargs)
-            if i == self.length - 1 or (whole and i == stop - 1):
+            if i == self.length - 1:
                 return out
             hidden = _hidden_of(out, i)
         return hidden
