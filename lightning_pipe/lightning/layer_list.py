@@ -292,13 +292,8 @@ class PipelinedLayerList(StandIn, nn.Module):
             )
         structure, tensors = self._split(args[1:], kwargs)
         if self.mode == "replace":
-            if self._seen and index == self._seen[-1][0] + 1 and args[0] is not self._handed:  # order: end_step
-                raise BodyCallError(
-                    f"block {index} was not given the hidden state block {self._seen[-1][0]} returned: the loop changed "
-                    "it between the calls (e.g. `x = x + block(x)`, or a function of the block's output). Under "
-                    "PipeStrategy each block's output goes straight to the next block, so that code would not run; "
-                    "move it into the block (wrap the block in a module doing it)"
-                )
+            if self._seen and index == self._seen[-1][0] + 1:  # the order is end_step's to check
+                self._refuse_changed_hidden(index, args[0])
             self._seen.append((index, structure, tensors))
             if index == self.length - 1:
                 return self.replacement[0]
@@ -307,6 +302,16 @@ class PipelinedLayerList(StandIn, nn.Module):
             out = self.replacement[0]
             return self._handed if isinstance(out, torch.Tensor) else type(out)((self._handed, *out[1:]))
         return self._first_stage_call(index, args, structure, tensors)
+
+    def _refuse_changed_hidden(self, index: int, hidden: torch.Tensor) -> None:
+        """Block ``index`` must get what the call of block ``index - 1`` returned (on the first and the last stage)."""
+        if hidden is not self._handed:
+            raise BodyCallError(
+                f"block {index} was not given the hidden state block {index - 1} returned: the loop changed it between "
+                "the calls (e.g. `x = x + block(x)`, or a function of the block's output). Under PipeStrategy each "
+                "block's output goes straight to the next block, so that code would not run; move it into the block "
+                "(wrap the block in a module doing it)"
+            )
 
     def _split(self, args: tuple, kwargs: dict) -> Tuple[Structure, List[torch.Tensor]]:
         """:func:`split_call`, reusing the previous call's result when the loop passes the very same objects
@@ -331,11 +336,8 @@ class PipelinedLayerList(StandIn, nn.Module):
         if index != len(seen):
             raise BodyCallError(f"the loop's block call {len(seen)} went to block {index}; it must call every block "
                                 f"once, in order, starting at block 0")
-        if seen and args[0] is not self._handed:
-            raise BodyCallError(
-                f"block {index} was not given the hidden state block {index - 1} returned: the loop changed it between "
-                "the calls (e.g. `x = x + block(x)`, or a function of the block's output). Under PipeStrategy each "
-                "block's output goes straight to the next block; move that code into the block")
+        if seen:
+            self._refuse_changed_hidden(index, args[0])
         seen.append((index, structure, tensors))
         start, stop = self.ranges[0]
         if index == 0:
