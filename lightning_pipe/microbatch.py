@@ -12,11 +12,16 @@ with ``B`` the size of the batch dimension that every splittable tensor shares:
   :class:`NoChunk`, other non-tensor leaves, lists and tuples of another length, and tuples of
   numbers (use a tuple for per-batch numeric constants whose length may happen to equal ``B``).
 
-Containers that torch's pytree does not open (dataclasses, ``collections.UserDict`` and other
-``Mapping`` types such as Hugging Face's ``BatchEncoding``, objects carrying tensors as attributes)
-are refused with a :class:`~lightning_pipe.errors.ConfigurationError` naming the type when they
-hold tensors, rather than given whole to every microbatch: convert them to a dict, tuple or
-namedtuple in the ``collate_fn`` (or in ``LightningModule.on_before_batch_transfer``).
+Two containers torch's pytree does not open are opened too, and rebuilt as their own type in each
+microbatch: dataclasses (through ``dataclasses.replace``, so ``__post_init__`` runs for each
+microbatch) and ``collections.UserDict`` subclasses such as Hugging Face's ``BatchEncoding`` (its
+items split by the rules above; an attribute that is a list or tuple of exactly ``B`` objects, such
+as a fast tokenizer's per-sample ``encodings``, split per sample; other attributes kept).
+Other containers (other ``Mapping`` types, objects carrying tensors as attributes, a dataclass
+holding tensors in fields its ``__init__`` does not take) are refused with a
+:class:`~lightning_pipe.errors.ConfigurationError` naming the type when they hold tensors, rather
+than given whole to every microbatch: convert them to a dict, tuple or namedtuple in the
+``collate_fn`` (or in ``LightningModule.on_before_batch_transfer``).
 
 ``torch.tensor_split`` decides the sizes, so 10 samples in 4 microbatches are 3, 3, 2, 2, and a
 batch smaller than the requested number of microbatches gives one microbatch per sample.
@@ -24,15 +29,17 @@ batch smaller than the requested number of microbatches gives one microbatch per
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
+from collections import UserDict
 from collections.abc import Mapping
 from typing import Any, List, Optional, Sequence
 
 import torch
 # torch's pytree helpers are private but stable and used throughout torch.distributed; a public
 # replacement (optree) would be one more dependency for the same few calls.
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, register_pytree_node, tree_flatten, tree_map, tree_unflatten
 
 from lightning_pipe.errors import ConfigurationError
 
@@ -65,12 +72,124 @@ def is_sample_list(value: Any, batch_size: int) -> bool:
     return isinstance(value, list) and len(value) == batch_size > 0 and all(isinstance(v, SCALARS) for v in value)
 
 
+class _Samples:
+    """A per-sample attribute of an opened ``UserDict`` (a list or tuple of the batch's length): split, not opened."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self.items = items
+
+
+class _Layout:
+    """How an opened container is rebuilt from its values. Layouts compare equal for containers of one type with
+    the same keys, so that microbatches and steps of one batch structure share a tree spec."""
+
+    __slots__ = ("template", "keys", "attributes")
+
+    def __init__(self, template: Any, keys: tuple, attributes: tuple) -> None:
+        self.template, self.keys, self.attributes = template, keys, attributes
+
+    def _key(self) -> tuple:
+        return type(self.template), self.keys, self.attributes
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Layout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"{type(self.template).__qualname__}{list(self.keys + self.attributes)}"
+
+    def rebuild(self, values: Sequence[Any]) -> Any:
+        named = dict(zip(self.keys, values))
+        if dataclasses.is_dataclass(self.template):
+            return dataclasses.replace(self.template, **named)
+        container = copy.copy(self.template)  # UserDict's own copy: other attributes kept, its dict a new one
+        container.data = named
+        for name, samples in zip(self.attributes, values[len(self.keys):]):
+            setattr(container, name, samples.items)
+        return container
+
+
+class _Opened:
+    """A dataclass or ``UserDict`` in a batch, opened for torch's pytree (registered below): its values are the
+    node's children, so the split reaches the tensors inside, and unflattening rebuilds the original type."""
+
+    __slots__ = ("values", "layout")
+
+    def __init__(self, values: list, layout: _Layout) -> None:
+        self.values, self.layout = values, layout
+
+
+register_pytree_node(_Opened, lambda node: (node.values, node.layout),
+                     lambda values, layout: layout.rebuild(list(values)))
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0])
+
+
+def _open_one(leaf: Any, batch_size: Optional[int]) -> Any:
+    """``leaf`` as an :class:`_Opened` node where it is a container we can rebuild (see the module docstring)."""
+    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        fields = dataclasses.fields(leaf)
+        if any(not f.init and _holds_tensor(getattr(leaf, f.name, None)) for f in fields):
+            return leaf  # replace() would not carry such a field over: refused if it holds batched tensors
+        keys = tuple(f.name for f in fields if f.init)
+        return _Opened([open_containers(getattr(leaf, k), batch_size) for k in keys], _Layout(leaf, keys, ()))
+    if isinstance(leaf, UserDict) and isinstance(leaf.data, dict):
+        samples = []
+        for name, value in vars(leaf).items():
+            if name == "data":
+                continue
+            if isinstance(value, (list, tuple)) and batch_size is not None and len(value) == batch_size > 0:
+                samples.append(name)
+            elif _holds_tensor(value):
+                return leaf  # a tensor outside the items: refused if batched
+        keys = tuple(leaf.data)
+        values = [open_containers(leaf.data[k], batch_size) for k in keys]
+        return _Opened(values + [_Samples(getattr(leaf, name)) for name in samples],
+                       _Layout(leaf, keys, tuple(samples)))
+    return leaf
+
+
+def open_containers(tree: Any, batch_size: Optional[int] = None) -> Any:
+    """``tree`` with its dataclasses and ``UserDict`` containers opened for torch's pytree; flattening it reaches
+    their tensors and unflattening rebuilds them. Attributes of a ``UserDict`` are split per sample only when they
+    have ``batch_size`` entries.
+
+    Example:
+        >>> @dataclasses.dataclass
+        ... class Batch:
+        ...     x: torch.Tensor
+        ...     tag: str
+        >>> leaves, spec = tree_flatten(open_containers(Batch(torch.zeros(2), "a")))
+        >>> len(leaves), tree_unflatten(leaves, spec)
+        (2, Batch(x=tensor([0., 0.]), tag='a'))
+    """
+    if not any(isinstance(leaf, UserDict) or dataclasses.is_dataclass(leaf)
+               for leaf in tree_flatten(tree, is_leaf=_closed)[0]):
+        return tree  # the common case: nothing to open
+    return tree_map(lambda leaf: _open_one(leaf, batch_size), tree, is_leaf=_closed)
+
+
+def _closed(value: Any) -> bool:
+    """Whether torch's pytree takes ``value`` for a leaf though we can open it (a type registered with pytree,
+    such as Hugging Face's ``ModelOutput``, is left to pytree)."""
+    return isinstance(value, NoChunk) or (dataclasses.is_dataclass(value) or isinstance(value, UserDict)) \
+        and type(value) not in SUPPORTED_NODES
+
+
 def _opaque_contents(leaf: Any) -> Optional[dict]:
     """The fields of a container torch's pytree treats as a leaf (dataclass, non-dict Mapping, object), else None."""
     if isinstance(leaf, (torch.Tensor, NoChunk, type) + SCALARS):
         return None
     if dataclasses.is_dataclass(leaf):
         return {f.name: getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)}
+    if isinstance(leaf, UserDict):
+        return {**vars(leaf), **leaf.data}
     if isinstance(leaf, Mapping):
         try:
             return dict(leaf.items())
@@ -112,7 +231,7 @@ def batch_size_of(inputs: Any, batch_dim: int = 0) -> int:
         ConfigurationError: no tensor to split, tensors disagree on the batch size, or a container
             that hides tensors from the split (see the module docstring).
     """
-    leaves, _ = tree_flatten(inputs)
+    leaves, _ = tree_flatten(open_containers(inputs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     short = [tuple(t.shape) for t in tensors if not -t.dim() <= batch_dim < t.dim()]
     if short:
@@ -150,14 +269,18 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
         raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
     batch_size = batch_size_of(inputs, batch_dim)
     num_microbatches = min(chunks, batch_size)
-    leaves, spec = tree_flatten(inputs, is_leaf=lambda x: isinstance(x, NoChunk) or is_sample_list(x, batch_size))
-    ends = list(itertools.accumulate(microbatch_sizes(batch_size, num_microbatches)))
+    leaves, spec = tree_flatten(open_containers(inputs, batch_size),
+                                is_leaf=lambda x: isinstance(x, (NoChunk, _Samples)) or is_sample_list(x, batch_size))
+    bounds = list(zip(itertools.accumulate(microbatch_sizes(batch_size, num_microbatches)),
+                      microbatch_sizes(batch_size, num_microbatches)))
     columns = []
     for leaf in leaves:
         if isinstance(leaf, NoChunk):
             columns.append([leaf.tensor] * num_microbatches)
+        elif isinstance(leaf, _Samples):
+            columns.append([_Samples(leaf.items[end - size:end]) for end, size in bounds])
         elif isinstance(leaf, (list, tuple)):  # a per-sample sequence (the only list or tuple leaf)
-            columns.append([leaf[end - size:end] for end, size in zip(ends, microbatch_sizes(batch_size, num_microbatches))])
+            columns.append([leaf[end - size:end] for end, size in bounds])
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             columns.append(torch.tensor_split(leaf, num_microbatches, dim=batch_dim))
         else:
@@ -190,7 +313,8 @@ def gather(outputs: Sequence[Any], batch_dim: int = 0) -> Any:
     flat = []
     for out in outputs:
         size = _size_of_output(out, batch_dim)
-        flat.append(tree_flatten(out, is_leaf=lambda x, n=size: n is not None and is_sample_list(x, n)))
+        flat.append(tree_flatten(open_containers(out, size),
+                                 is_leaf=lambda x, n=size: isinstance(x, _Samples) or n is not None and is_sample_list(x, n)))
     spec = flat[0][1]
     for i, (_, other) in enumerate(flat[1:], start=1):
         if other != spec:
@@ -204,6 +328,8 @@ def gather(outputs: Sequence[Any], batch_dim: int = 0) -> Any:
         first = column[0]
         if isinstance(first, torch.Tensor):
             merged.append(torch.stack(column) if first.dim() == 0 else torch.cat(column, dim=batch_dim))
+        elif isinstance(first, _Samples):
+            merged.append(_Samples(type(first.items)(item for part in column for item in part.items)))
         elif isinstance(first, (list, tuple)):  # a per-sample sequence (the only list or tuple leaf)
             merged.append(type(first)(item for part in column for item in part))
         else:
@@ -213,6 +339,6 @@ def gather(outputs: Sequence[Any], batch_dim: int = 0) -> Any:
 
 def _size_of_output(output: Any, batch_dim: int) -> Optional[int]:
     """The batch size every tensor of a microbatch's output shares along ``batch_dim``, else None."""
-    leaves, _ = tree_flatten(output)
+    leaves, _ = tree_flatten(open_containers(output))
     sizes = {t.shape[batch_dim] for t in leaves if isinstance(t, torch.Tensor) and -t.dim() <= batch_dim < t.dim()}
     return sizes.pop() if len(sizes) == 1 else None

@@ -25,7 +25,7 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel, end_process_groups_at_exit
 from lightning_pipe.memory import ActivationMeter, MeterOff
-from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, scatter
+from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, open_containers, scatter
 from lightning_pipe.partition import TIES_ATTRIBUTE
 from lightning_pipe.replicas import ReplicaSync
 from lightning_pipe.schedule import ALL_SCHEDULES, forward_only, make_table, validate
@@ -40,7 +40,7 @@ _instances = itertools.count()
 
 def _input_signature(inputs: tuple, chunks: int, batch_dim: int) -> tuple:
     """What the microbatches' structure, shapes and dtypes follow from (``scatter`` is deterministic)."""
-    leaves, spec = tree_flatten(inputs, is_leaf=lambda x: isinstance(x, NoChunk))
+    leaves, spec = tree_flatten(open_containers(inputs), is_leaf=lambda x: isinstance(x, NoChunk))
     metas = []
     for leaf in leaves:
         tensor = leaf.tensor if isinstance(leaf, NoChunk) else leaf

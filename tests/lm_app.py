@@ -517,8 +517,10 @@ class HFCausalLM(LMBase):
 
     Llama is called with ``use_cache=False``; the others as a fine-tuning script usually calls them,
     with the config's default ``use_cache=True``: the model makes a ``DynamicCache`` per call and
-    hands it to every decoder layer. Mistral's step returns the model's own loss (``labels=``), a
-    mean over the tokens that are not -100, without ``num_items``.
+    hands it to every decoder layer. Mistral is fed as a fine-tuning script feeds it: its batches are
+    ``BatchEncoding`` objects (``input_ids``, ``attention_mask``, ``labels``: what Hugging Face's collators
+    return), passed on with ``self.model(**batch)``, and its step returns the model's own loss, a mean over
+    the tokens that are not -100, without ``num_items``.
     """
 
     def __init__(self, family: str = "llama") -> None:
@@ -543,13 +545,12 @@ class HFCausalLM(LMBase):
             self.model = transformers.GPT2LMHeadModel(config)
 
     def training_step(self, batch, batch_idx):
-        tokens, labels = batch
         cache = {} if self.use_cache is None else {"use_cache": self.use_cache}
         if self.family == "mistral":  # the model's own loss (mean over the shifted labels that are not -100), as is
-            out = self.model(input_ids=tokens, attention_mask=(tokens != PAD).long(),
-                             labels=tokens.masked_fill(tokens == PAD, -100), **cache)
+            out = self.model(**batch, **cache)
             self.log("train_loss", out.loss)
             return out.loss
+        tokens, labels = batch
         logits = self.model(input_ids=tokens, attention_mask=(tokens != PAD).long(), **cache).logits
         loss, count = self._loss(logits, labels)
         self.log("train_loss", loss)
@@ -565,11 +566,22 @@ CASES = {
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
-    "hf_mistral": (lambda: HFCausalLM("mistral"), "tokens"),
+    "hf_mistral": (lambda: HFCausalLM("mistral"), "encodings"),
 }
 
 
+def encodings(samples):
+    """A Hugging Face collator's batch: a ``BatchEncoding`` of input ids, attention mask and labels."""
+    from transformers import BatchEncoding
+
+    tokens, _ = torch.utils.data.default_collate(samples)
+    return BatchEncoding({"input_ids": tokens, "attention_mask": (tokens != PAD).long(),
+                          "labels": tokens.masked_fill(tokens == PAD, -100)})
+
+
 def loaders(kind: str):
+    if kind == "encodings":
+        return torch.utils.data.DataLoader(token_data(), batch_size=8, collate_fn=encodings), None
     if kind == "tokens":
         data = token_data()
         return (torch.utils.data.DataLoader(data, batch_size=8),

@@ -1,8 +1,9 @@
-"""Per-sample lists in batches, containers the split cannot open, the Sequential stand-in's view of the
-whole body, and buffers updated once per microbatch.
+"""Per-sample lists in batches, dataclass and UserDict batches, containers the split cannot open, the
+Sequential stand-in's view of the whole body, and buffers updated once per microbatch.
 
 Unit tests first; then one model trained under DDP (1 device) and PipeStrategy (2 stages), in the
-shared launches of ``tests/lm_app.py`` (see ``APPS`` in conftest.py): its batch carries per-sample strings that weigh the loss, with 1-sample microbatches, and
+shared launches of ``tests/lm_app.py`` (see ``APPS`` in conftest.py): its batch is a dataclass holding a
+UserDict, and carries per-sample strings that weigh the loss, with 1-sample microbatches, and
 its ``configure_optimizers`` gives the layers of its ``nn.Sequential`` body decaying learning rates
 over ``len``/``enumerate(self.body)`` and ``self.body[-1]`` one of its own.
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import types
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from torch import nn
 from lightning_pipe.errors import BodyCallError, ConfigurationError
 from lightning_pipe.lightning.body import PipelinedSequential, present_whole_body
 from lightning_pipe.lightning.effects import BufferWatch
-from lightning_pipe.microbatch import scatter
+from lightning_pipe.microbatch import gather, scatter
 
 
 # -- scatter: per-sample lists ------------------------------------------------------------------
@@ -51,14 +54,113 @@ class _Pair:
     y: torch.Tensor
 
 
+@dataclasses.dataclass
+class _Checked:
+    x: torch.Tensor
+    names: list
+    scale: float = 1.0
+    rows: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.rows = len(self.x)  # recomputed for each microbatch
+        assert len(self.names) == self.rows
+
+
 class _BatchEncoding(collections.UserDict):  # what Hugging Face's BatchEncoding is
-    pass
+    def __init__(self, data, encodings=None, n_sequences=1):
+        super().__init__(data)
+        self._encodings, self._n_sequences = encodings, n_sequences
+
+    def to(self, device):  # how Lightning moves it to the device, keeping the encodings
+        self.data = {k: v.to(device) for k, v in self.data.items()}
+        return self
+
+
+def test_a_dataclass_batch_is_split_field_by_field_and_rebuilt_by_its_own_init():
+    batch = _Checked(torch.arange(10).view(5, 2), list("abcde"), scale=2.0)
+    parts = scatter((batch, torch.zeros(5)), chunks=2)
+    assert [type(p[0]) for p in parts] == [_Checked, _Checked]
+    assert [p[0].x[:, 0].tolist() for p in parts] == [[0, 2, 4], [6, 8]]
+    assert [(p[0].names, p[0].rows, p[0].scale) for p in parts] == [(list("abc"), 3, 2.0), (list("de"), 2, 2.0)]
+    merged = gather([p[0] for p in parts])
+    assert type(merged) is _Checked and merged.x.equal(batch.x) and merged.names == batch.names and merged.rows == 5
+
+
+def test_a_user_dict_batch_keeps_its_type_and_splits_its_items_and_per_sample_attributes():
+    batch = _BatchEncoding({"ids": torch.arange(5), "mask": torch.ones(5, 3)}, encodings=[f"e{i}" for i in range(5)])
+    parts = scatter(batch, chunks=2)
+    assert [type(p) for p in parts] == [_BatchEncoding, _BatchEncoding]
+    assert [p["ids"].tolist() for p in parts] == [[0, 1, 2], [3, 4]]
+    assert [p._encodings for p in parts] == [["e0", "e1", "e2"], ["e3", "e4"]]  # per sample: split
+    assert all(p._n_sequences == 1 for p in parts) and batch["ids"].shape == (5,)  # others kept, the batch untouched
+    merged = gather(parts)
+    assert merged._encodings == batch._encodings and merged["ids"].equal(batch["ids"])
+    batch._encodings = None  # a collator's batch: no encodings
+    assert [p._encodings for p in scatter(batch, chunks=2)] == [None, None]
+
+
+def test_a_hugging_face_batch_encoding_from_a_fast_tokenizer_splits_with_its_encodings():
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "a": 2, "b": 3, "c": 4}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]", unk_token="[UNK]")
+    batch = tokenizer(["a b", "b c a", "c", "a a a a", "b"], padding=True, return_tensors="pt")
+    parts = scatter(batch, chunks=2)
+    assert [type(p).__name__ for p in parts] == ["BatchEncoding"] * 2
+    assert parts[1].input_ids.tolist() == [[2, 2, 2, 2], [3, 0, 0, 0]]
+    assert parts[1].word_ids(0) == [0, 1, 2, 3] and parts[0].word_ids(2) == [0, None, None, None]
+    collated = DataCollatorForLanguageModeling(tokenizer, mlm=False)([tokenizer(t) for t in ["a b", "b c a", "c"]])
+    assert [p["labels"].tolist() for p in scatter(collated, chunks=3)] == [[[2, 3, -100]], [[3, 4, 2]], [[4, -100, -100]]]
+
+
+def test_the_pipelines_input_signature_sees_the_shapes_inside_an_opened_batch():
+    from lightning_pipe.pipeline import _input_signature
+
+    def signature(length):
+        return _input_signature((_Pair(torch.zeros(4, length), torch.zeros(4)),), 2, 0)
+
+    assert signature(3) == signature(3) and signature(3) != signature(5)
+
+
+class _Mapping(Mapping):  # a Mapping that is neither a dict nor a UserDict
+    def __init__(self, **items):
+        self._items = items
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+@dataclasses.dataclass
+class _Hidden:  # a batched tensor in a field __init__ does not take: replace() could not carry it over
+    x: torch.Tensor
+    mask: torch.Tensor = dataclasses.field(init=False, default=None)
+
+
+def _hidden():
+    batch = _Hidden(torch.zeros(4))
+    batch.mask = torch.ones(4)
+    return batch
+
+
+def _with_tensor_attribute():
+    batch = _BatchEncoding({"x": torch.zeros(4, 2)})
+    batch.extra = torch.ones(4)  # neither an item nor a per-sample list
+    return batch
 
 
 @pytest.mark.parametrize("batch, kind", [
-    (_Pair(torch.zeros(4, 2), torch.zeros(4)), "_Pair (a dataclass)"),
-    (_BatchEncoding(x=torch.zeros(4, 2)), "_BatchEncoding (a Mapping that is not a dict)"),
-    ((torch.zeros(4), _Pair(torch.zeros(4, 2), torch.zeros(4))), "_Pair (a dataclass)"),  # would go whole: refused
+    (_Mapping(x=torch.zeros(4, 2)), "_Mapping (a Mapping that is not a dict)"),
+    ((torch.zeros(4), _hidden()), "_Hidden (a dataclass)"),  # would go whole: refused
+    (_with_tensor_attribute(), "_BatchEncoding (a Mapping that is not a dict)"),
 ])
 def test_a_container_the_split_cannot_open_is_named_with_the_fix(batch, kind):
     with pytest.raises(ConfigurationError, match=kind.replace("(", r"\(").replace(")", r"\)")) as info:
@@ -67,7 +169,7 @@ def test_a_container_the_split_cannot_open_is_named_with_the_fix(batch, kind):
 
 
 def test_an_object_with_unbatched_tensors_is_still_given_whole():
-    table = _Pair(torch.zeros(7), torch.zeros(7))  # batch size 4: not the batch's
+    table = types.SimpleNamespace(x=torch.zeros(7), y=torch.zeros(7))  # batch size 4: not the batch's
     parts = scatter((torch.zeros(4), table), chunks=2)
     assert all(p[1] is table for p in parts)
 
@@ -153,6 +255,21 @@ def test_no_warning_without_a_change_or_with_one_microbatch():
 
 
 # -- against DDP (in the shared launches) ---------------------------------------------------------
+@dataclasses.dataclass
+class _Batch:
+    features: _BatchEncoding  # the inputs, and the names as its per-sample "encodings"
+    y: torch.Tensor
+    rows: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.rows = len(self.y)
+
+
+def _collate(samples):
+    x, y, names = torch.utils.data.default_collate(samples)
+    return _Batch(_BatchEncoding({"x": x}, encodings=list(names)), y)
+
+
 def main(kind: str, root: str, out: str) -> None:
     """The app trained under DDP (1 device, ``kind="ddp"``) and PipeStrategy (2 stages, ``kind="pipe"``), in the
     launches of ``tests/lm_app.py``."""
@@ -190,7 +307,8 @@ def main(kind: str, root: str, out: str) -> None:
             self.head = nn.Linear(8, 1)
 
         def training_step(self, batch, batch_idx):
-            x, y, names = batch
+            x, y, names = batch.features["x"], batch.y, batch.features._encodings
+            assert batch.rows == len(x)  # the microbatch's, from its own __post_init__
             w = torch.tensor([1.0 if s.startswith("a") else 3.0 for s in names])
             logit = self.head(self.body(self.embed(x))).squeeze(-1)
             return (nn.functional.binary_cross_entropy_with_logits(logit, y, reduction="none") * w).mean()
@@ -210,14 +328,15 @@ def main(kind: str, root: str, out: str) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2 if pipe else 1, strategy=strategy, max_epochs=2, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          default_root_dir=root)
-    trainer.fit(model, torch.utils.data.DataLoader(Data(), batch_size=4))
+    trainer.fit(model, torch.utils.data.DataLoader(Data(), batch_size=4, collate_fn=_collate))
     if trainer.is_global_zero:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out)
 
 
 def test_per_sample_strings_and_layer_wise_learning_rates_over_a_sequential_body_train_as_ddp(lm_runs):
-    """Regressions: with 1-sample microbatches each got the whole list of names, so the weights tensor
-    broadcast (a different loss, silently); and ``len``/``enumerate``/``[-1]`` of the body gave the
+    """A dataclass batch holding a UserDict (Hugging Face's BatchEncoding) with the per-sample names as an
+    attribute trains as under DDP (they were refused). Regressions: with 1-sample microbatches each got the whole
+    list of names, so the weights tensor broadcast (a different loss, silently); and ``len``/``enumerate``/``[-1]`` of the body gave the
     stage's layers only, so the learning rates of the layer-wise decay differed from DDP's."""
     ref = lm_runs("reference")[0]["test_batches_and_views_ddp"]
     got, _, output = lm_runs("world2")
