@@ -1,5 +1,5 @@
-"""The examples run: the plain-API demo, the LightningCLI language model and the digits U-Net,
-each in a subprocess.
+"""The examples run: the plain-API demo, the LightningCLI language model, the digits U-Net and the
+Hugging Face Llama, each in a subprocess.
 
 Every run has a hard timeout and ``OMP_NUM_THREADS=1``; sizes are tiny so the runs together take
 about two minutes on two cores. The LightningCLI runs write into a tmp dir
@@ -124,3 +124,27 @@ def test_digits_unet_example_trains(tmp_path):
     with open(tmp_path / "digits_unet" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert sum(1 for r in rows if r["val_acc"]) == 2, rows
+
+
+def test_hugging_face_llama_example_trains_as_one_process_does(tmp_path):
+    """The transformers example: BatchEncoding batches from Hugging Face's collator, the model's own loss, the
+    decoder layers split over 2 stages; its per-step losses and validation loss equal the one-process DDP run's
+    (float32: the microbatches' sums round differently)."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    script = os.path.join(ROOT, "examples", "hf_llama", "train.py")
+    tiny = ["--steps", "4", "--max-bytes", "150000", "--vocab-size", "512", "--d-model", "32", "--layers", "2"]
+    results = {}
+    for strategy, devices in (("pipe", "2"), ("ddp", "1")):
+        output = run([sys.executable, script, *tiny, "--strategy", strategy, "--devices", devices,
+                      "--root", str(tmp_path / strategy)], tmp_path)
+        losses = re.search(r"step losses: ([\d. ]+)\n", output)
+        val = re.search(r"trained 4 steps: train_loss [\d.]+, val_loss ([\d.]+)", output)
+        assert losses and val, output[-3000:]
+        results[strategy] = [float(v) for v in losses.group(1).split()], float(val.group(1))
+    (pipe, pipe_val), (ddp, ddp_val) = results["pipe"], results["ddp"]
+    assert len(ddp) == 4 and ddp[-1] < ddp[0]
+    for got, want in zip(pipe, ddp):
+        assert abs(got - want) <= 1e-4 * want, (pipe, ddp)
+    assert abs(pipe_val - ddp_val) <= 2e-3, (pipe_val, ddp_val)  # printed with 3 decimals
