@@ -14,7 +14,12 @@ Rules the modules must follow (torch's own modules do):
 
 - ``reset_parameters()`` initializes every parameter and buffer the module registers *itself*
   (not those of its children: each child is reset under its own name). A module that owns meta
-  tensors and has no ``reset_parameters`` is refused with :class:`MaterializationError`.
+  tensors and has no ``reset_parameters`` is refused with :class:`MaterializationError`, unless it
+  lies inside a Hugging Face model (a module with a ``config`` and an ``_init_weights(module)``
+  method, as every ``PreTrainedModel`` has): there the innermost such model's
+  ``_init_weights(module)`` initializes it after its ``reset_parameters()`` if it has one, as
+  Hugging Face initializes a model it builds (normal weights of the config's
+  ``initializer_range``, norms of ones, rotary tables computed).
 - Buffers are uninitialized memory until ``reset_parameters()`` writes them: a buffer computed in
   ``__init__`` (a rotary table, a causal mask) must be computed again there. A floating-point
   parameter or buffer that ``reset_parameters()`` leaves unwritten is detected (it is filled with
@@ -76,6 +81,15 @@ class _Plan:
                 self.names[id(sub)] = []
                 self.order.append(sub)
             self.names[id(sub)].append(_join(prefix, name))
+        self.initializer: Dict[int, nn.Module] = {}  # module id -> the Hugging Face model that initializes it
+        paths = dict(module.named_modules(remove_duplicate=False))
+        for name, sub in paths.items():
+            parts = name.split(".") if name else []
+            for k in range(len(parts), -1, -1):  # the innermost enclosing model, the module itself included
+                owner = paths.get(".".join(parts[:k]))
+                if owner is not None and _initializes_modules(owner):
+                    self.initializer.setdefault(id(sub), owner)
+                    break
         self.holders: Dict[int, List[Holder]] = {}
         self.tensors: Dict[int, torch.Tensor] = {}
         self.held: Dict[int, List[int]] = {}  # module id -> ids of the meta tensors it holds
@@ -105,9 +119,16 @@ class _Plan:
         return [m for m in self.order if id(m) in chosen]
 
 
+def _initializes_modules(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face model, which initializes its submodules with ``_init_weights(m)``
+    (duck-typed: transformers is not a dependency)."""
+    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config") \
+        and callable(getattr(module, "post_init", None))
+
+
 def _check_resettable(plan: _Plan, modules: List[nn.Module]) -> None:
     missing = [f"`{plan.name(m)}` ({type(m).__name__})" for m in modules
-               if not callable(getattr(m, "reset_parameters", None))]
+               if not callable(getattr(m, "reset_parameters", None)) and id(m) not in plan.initializer]
     if missing:
         raise MaterializationError(
             "materializing meta-device modules needs a `reset_parameters()` method on every module that "
@@ -153,7 +174,8 @@ def _check_written(plan: _Plan, modules: List[nn.Module]) -> None:
         raise MaterializationError(
             f"`reset_parameters()` left these tensors uninitialized: {', '.join(unwritten)}. Initialize "
             "every parameter and buffer the module registers itself there (compute buffers such as rotary "
-            "tables or masks in `reset_parameters()`, not only in `__init__`)"
+            "tables or masks in `reset_parameters()`, not only in `__init__`); inside a Hugging Face model, "
+            "its `_init_weights(module)` ran after it and did not write them either"
         )
     if untied:
         raise MaterializationError(
@@ -180,8 +202,9 @@ def materialize(module: nn.Module, device: Union[str, torch.device], seed: int =
         The qualified names of the modules reset, in ``named_modules()`` order.
 
     Raises:
-        MaterializationError: a module to reset has no ``reset_parameters()`` (raised before any
-            change), leaves a floating-point tensor unwritten, or replaces a tied tensor.
+        MaterializationError: a module to reset has no ``reset_parameters()`` and is not inside a
+            Hugging Face model (raised before any change), leaves a floating-point tensor unwritten,
+            or replaces a tied tensor.
 
     Example:
         >>> with torch.device("meta"):
@@ -205,6 +228,9 @@ def materialize(module: nn.Module, device: Union[str, torch.device], seed: int =
             torch.no_grad(), device:
         for m in reversed(modules):  # a tied tensor's first holder resets it last: its values win
             seed_torch(name_seed(seed, plan.name(m)), device)
-            m.reset_parameters()
+            if callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+            if id(m) in plan.initializer:
+                plan.initializer[id(m)]._init_weights(m)
     _check_written(plan, modules)
     return [plan.name(m) for m in modules]

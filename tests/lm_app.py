@@ -557,6 +557,33 @@ class HFCausalLM(LMBase):
         return {"loss": loss, "num_items": count}
 
 
+class HFMetaLlama(HFCausalLM):
+    """``HFCausalLM("llama")`` built in ``configure_model()``: under PipeStrategy on the meta device, each rank
+    materializing its own part with Hugging Face's initialization (its ``_init_weights``: the Llama classes
+    have no ``reset_parameters``); on one device (the DDP reference) with the same values, from
+    ``lightning_pipe.materialize`` of a meta copy with the seed ``seed_everything`` set."""
+
+    def __init__(self) -> None:
+        super().__init__("llama")
+        self.config = self.model.config
+        del self.model
+        self.model = None
+        self.built_on_meta = None
+
+    def configure_model(self) -> None:
+        import transformers
+
+        if self.model is not None:
+            return
+        self.model = transformers.LlamaForCausalLM(self.config)
+        self.built_on_meta = self.model.lm_head.weight.is_meta
+        if not self.built_on_meta:  # one device: the initial values every pipeline starts from
+            with torch.device("meta"):
+                copy = transformers.LlamaForCausalLM(self.config)
+            lightning_pipe.materialize(copy, "cpu", seed=torch.initial_seed(), prefix="model")
+            self.model.load_state_dict(copy.state_dict())
+
+
 CASES = {
     "llama": (LlamaStyle, "tokens"), "cached": (lambda: LlamaStyle(cached=True), "tokens"),
     "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
@@ -566,7 +593,7 @@ CASES = {
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
-    "hf_mistral": (lambda: HFCausalLM("mistral"), "encodings"),
+    "hf_mistral": (lambda: HFCausalLM("mistral"), "encodings"), "hf_meta": (HFMetaLlama, "tokens"),
 }
 
 
@@ -684,7 +711,7 @@ def run(spec: dict, root: str) -> dict:
         "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "csv": rows, "callback_metrics": {k: v.cpu() for k, v in trainer.callback_metrics.items()},
         "outputs": outputs.seen, "val_outputs": outputs.val_seen, "last_model_path": checkpoint.last_model_path,
-        "global_step": trainer.global_step,
+        "global_step": trainer.global_step, "built_on_meta": getattr(model, "built_on_meta", None),
         "loss_scale": getattr(trainer.precision_plugin, "scaler", None) and trainer.precision_plugin.scaler.get_scale(),
         # the replica all-reduces of the last step that started while its backward still ran (rank 0's)
         "started_early": getattr(getattr(getattr(trainer.strategy, "pipeline", None), "replicas", None), "started_early", None),

@@ -182,3 +182,41 @@ def test_integer_buffers_are_zeroed_and_batchnorm_is_reset():
         model = nn.Sequential(nn.BatchNorm1d(3))
     materialize(model, "cpu")
     assert model[0].num_batches_tracked.item() == 0 and torch.equal(model[0].running_var, torch.ones(3))
+
+
+def test_a_hugging_face_model_is_initialized_by_its_own_init_weights_per_part_as_whole():
+    """Llama's RMSNorm and rotary embedding have no reset_parameters (refused before); inside a Hugging Face
+    model its _init_weights initializes every module, as transformers does: normal weights of the config's
+    initializer_range, norms of ones, the rotary table computed. A stage materialized alone equals the whole."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                                      initializer_range=0.05)
+
+    def meta():
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(config)
+
+    whole = meta()
+    materialize(whole, "cpu", seed=3)
+    eager = transformers.LlamaForCausalLM(config)
+    torch.testing.assert_close(whole.model.rotary_emb.inv_freq, eager.model.rotary_emb.inv_freq)
+    assert torch.equal(whole.model.norm.weight, torch.ones(32))
+    weights = torch.cat([p.reshape(-1) for n, p in whole.named_parameters() if n.endswith("proj.weight")])
+    assert abs(weights.std().item() - 0.05) < 0.002 and whole.lm_head.weight is whole.model.embed_tokens.weight
+    part = meta()
+    materialize(part, "cpu", seed=3, include=lambda name: name.startswith("model.layers.2"))
+    for name, tensor in part.model.layers[2].state_dict().items():
+        assert torch.equal(tensor, whole.model.layers[2].state_dict()[name]), name
+    assert part.model.layers[1].mlp.up_proj.weight.is_meta
+
+    class Adapter(nn.Module):  # a user's module Hugging Face's _init_weights does not know
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.empty(32))
+
+    with torch.device("meta"):
+        adapted = transformers.LlamaForCausalLM(config)
+        adapted.model.layers[0].adapter = Adapter()
+    with pytest.raises(MaterializationError, match=r"`model.layers.0.adapter.scale` \(Adapter\).*_init_weights"):
+        materialize(adapted, "cpu", seed=3)
