@@ -584,6 +584,20 @@ class HFMetaLlama(HFCausalLM):
             self.model.load_state_dict(copy.state_dict())
 
 
+class HFPretrainedLlama(HFMetaLlama):
+    """``HFMetaLlama`` given pretrained weights as a fine-tuning script gives them to a model built on the meta
+    device: ``self.model.load_state_dict(weights)`` (strict) in ``on_fit_start``, once each process holds its
+    part. The weights are a seeded Llama's, made on every process alike (a stand-in for a checkpoint file)."""
+
+    def on_fit_start(self) -> None:
+        import transformers
+
+        with torch.random.fork_rng():
+            torch.manual_seed(123)
+            weights = transformers.LlamaForCausalLM(self.config).state_dict()
+        self.model.load_state_dict(weights)  # copied into this process's part, in the model's dtype
+
+
 CASES = {
     "llama": (LlamaStyle, "tokens"), "cached": (lambda: LlamaStyle(cached=True), "tokens"),
     "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
@@ -594,6 +608,7 @@ CASES = {
     "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
     "hf_mistral": (lambda: HFCausalLM("mistral"), "encodings"), "hf_meta": (HFMetaLlama, "tokens"),
+    "hf_pretrained": (HFPretrainedLlama, "tokens"),
 }
 
 

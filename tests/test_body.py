@@ -301,3 +301,28 @@ def test_a_stand_in_made_from_a_stand_in_keeps_the_hidden_states_metadata():
         (torch.Size([2, 3]), torch.device("cpu"), True, torch.float32)
     with pytest.raises(BodyCallError, match="output of block 1"):
         second + 1
+
+
+@pytest.mark.parametrize("kind", ["layer_list", "sequential"])
+def test_a_whole_models_state_dict_loads_strictly_into_a_stand_in_which_takes_its_own_layers(kind):
+    """Pretrained weights loaded in on_fit_start (`self.model.load_state_dict(whole)`): the other stages' layers
+    are theirs to load, so a strict load succeeds and fills this rank's layers (regression: "Unexpected key(s)")."""
+    from collections import OrderedDict
+
+    from lightning_pipe.lightning.body import PipelinedSequential, present_whole_body
+
+    whole = nn.Sequential(*[Block() for _ in range(4)])
+    if kind == "layer_list":
+        local, _ = stand_in(2, 4, blocks=[Block() for _ in range(4)], stage_index=1)
+    else:
+        layers = [Block() for _ in range(4)]
+        local = PipelinedSequential([OrderedDict([("2", layers[2]), ("3", layers[3])])], False, (1,), 2)
+        present_whole_body(local, nn.Sequential(*layers))
+    assert sorted({k.split(".")[0] for k in local.state_dict()}) == ["2", "3"]
+    local.load_state_dict(whole.state_dict())
+    for key, value in local.state_dict().items():
+        assert torch.equal(value, whole.state_dict()[key]), key
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "extra"'):
+        local.load_state_dict({**whole.state_dict(), "extra": torch.zeros(1)})  # not a layer: still unexpected
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "3.linear.bias"'):
+        local.load_state_dict({k: v for k, v in whole.state_dict().items() if k != "3.linear.bias"})

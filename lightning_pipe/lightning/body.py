@@ -208,6 +208,20 @@ class StandIn:
                 "(gather_full_model=True)"
             )
 
+    def layer_names(self) -> List[str]:
+        """The names of every layer of the body, this rank's and the other stages' (subclasses say)."""
+        raise NotImplementedError
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """A whole model's state dict (pretrained weights loaded in ``on_fit_start``) holds every stage's layers:
+        the other stages' keys are theirs to load, not unexpected here (each rank checks its own layers' keys)."""
+        before = len(unexpected_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        others = set(self.layer_names()) - set(self._modules)
+        unexpected_keys[before:] = [k for k in unexpected_keys[before:] if k[len(prefix):].split(".", 1)[0] not in others]
+
     def run_checkpointed(self, function, *inputs):
         """``function(*inputs)`` under activation checkpointing when asked (first stage only)."""
         if not self.checkpoint_layers:
@@ -249,6 +263,9 @@ class PipelinedSequential(StandIn, nn.Sequential):
 
     def __len__(self) -> int:
         return len(self._presented())
+
+    def layer_names(self) -> List[str]:
+        return list(self.__dict__.get("whole_names") or self._modules)
 
     def __iter__(self):
         return iter(self._presented())

@@ -248,6 +248,9 @@ class PipelinedLayerList(StandIn, nn.Module):
     def __len__(self) -> int:
         return self.length
 
+    def layer_names(self) -> List[str]:
+        return [str(i) for i in range(self.length)]
+
     def __iter__(self):
         return (BlockProxy(self, i) for i in range(self.length))
 
