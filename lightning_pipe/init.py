@@ -37,10 +37,12 @@ not on the layout. Torch's random state is left as it was.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_pipe.errors import PipelineError
 from lightning_pipe.rng import derive, seed_torch
@@ -50,6 +52,43 @@ _CHUNK = 1 << 24  # elements checked for NaN at a time (bounds the temporary mas
 
 class MaterializationError(PipelineError, TypeError):
     """A meta-device module cannot be given deterministic values (no or incomplete ``reset_parameters``)."""
+
+
+class _RefuseValuesIntoMeta(TorchFunctionMode):
+    """Raises where code copies a real tensor's values into a meta tensor, which keeps none of them."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[0], torch.Tensor) and args[0].is_meta \
+                and isinstance(args[1], torch.Tensor) and not args[1].is_meta:
+            raise MaterializationError(
+                f"values were copied into a tensor of shape {tuple(args[0].shape)} built on the meta device (in "
+                "configure_model() or under init_module(empty_init=True)), which keeps none of them: a meta tensor "
+                "has no storage, and the model is given its initial values later, module by module. Load "
+                "pretrained weights in on_fit_start (`self.model.load_state_dict(weights)`: each process copies its "
+                "own part), or with load_state_dict(..., assign=True), which puts the real tensors in place"
+            )
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def building_on_meta() -> Iterator[None]:
+    """Build modules on the meta device (``torch.device("meta")``); copying real values into a meta tensor
+    raises :class:`MaterializationError` instead of doing nothing, as a meta ``copy_`` does (pretrained
+    weights loaded there would be lost when the model is materialized; ``load_state_dict`` reports the
+    error in its own ``RuntimeError``).
+
+    Example:
+        >>> pretrained = nn.Linear(2, 2).state_dict()
+        >>> with building_on_meta():
+        ...     layer = nn.Linear(2, 2)
+        ...     with torch.no_grad():
+        ...         layer.weight.copy_(pretrained["weight"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        lightning_pipe.init.MaterializationError: values were copied into a tensor of shape (2, 2) built on ...
+    """
+    with torch.device("meta"), _RefuseValuesIntoMeta():
+        yield
 
 
 def name_seed(seed: int, name: str) -> int:

@@ -220,3 +220,21 @@ def test_a_hugging_face_model_is_initialized_by_its_own_init_weights_per_part_as
         adapted.model.layers[0].adapter = Adapter()
     with pytest.raises(MaterializationError, match=r"`model.layers.0.adapter.scale` \(Adapter\).*_init_weights"):
         materialize(adapted, "cpu", seed=3)
+
+
+def test_weights_loaded_into_a_model_built_on_the_meta_device_are_refused_not_lost():
+    """configure_model() builds on the meta device under PipeStrategy, where copying pretrained weights into the
+    module is a no-op that materialization would overwrite (under DDP the same code loads them): refused by name.
+    assign=True puts the real tensors in place, which materialization keeps."""
+    from lightning_pipe import PipeStrategy
+
+    pretrained = nn.Linear(2, 2).state_dict()
+    with PipeStrategy().model_sharded_context():
+        layer = nn.Linear(2, 2)
+        assert layer.weight.is_meta
+        with pytest.raises(RuntimeError, match=r"built on the meta device.*Load pretrained weights in on_fit_start"):
+            layer.load_state_dict(pretrained)
+        layer.load_state_dict(pretrained, assign=True)
+        meta_copy = nn.Linear(2, 2)
+        meta_copy.load_state_dict(nn.Linear(2, 2, device="meta").state_dict())  # meta into meta: nothing lost
+    assert materialize(layer, "cpu") == [] and torch.equal(layer.weight, pretrained["weight"])

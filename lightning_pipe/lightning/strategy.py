@@ -41,6 +41,7 @@ from lightning_pipe.batchnorm import commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.faults import end_launched_ranks, end_process_groups_at_exit, note_failure, report_job_error
+from lightning_pipe.init import building_on_meta
 from lightning_pipe.lightning import averaging, batches, hooks, logs, profile, release, scaling, tracing
 from lightning_pipe.lightning.body import present_whole_body
 from lightning_pipe.lightning.effects import BufferWatch, StepEffects
@@ -673,7 +674,7 @@ class PipeStrategy(DDPStrategy):
     @contextmanager
     def model_sharded_context(self) -> Iterator[None]:
         """``configure_model()`` builds on the meta device; setup materializes only this stage."""
-        with torch.device("meta"):
+        with building_on_meta():
             yield
 
     @contextmanager
@@ -682,7 +683,7 @@ class PipeStrategy(DDPStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with building_on_meta(), self.precision_plugin.tensor_init_context():
             yield
 
     @property
