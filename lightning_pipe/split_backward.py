@@ -33,10 +33,13 @@ on the benchmark's Linear layers ``I + W`` then costs 1.5 x ``B`` instead of 1 x
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from lightning_pipe.errors import ConfigurationError
 
 # Private API, what torch.autograd.backward and torch.autograd.grad end in; calling it directly
 # skips their argument checks (symbolic shape comparisons, ~15 µs a call), a large share of an
@@ -53,6 +56,23 @@ def run_backward(roots: Sequence, grads: Sequence[torch.Tensor], keep_graph: boo
     ``inputs`` are returned (None where unreachable).
     """
     return _ENGINE.run_backward(tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+
+
+@contextmanager
+def _reentrant_checkpoints_named() -> Iterator[None]:
+    """torch refuses a backward restricted to some inputs through a reentrant checkpoint: say what to do instead."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "use_reentrant=True" not in str(error):
+            raise
+        raise ConfigurationError(
+            "a layer of this stage runs torch.utils.checkpoint with use_reentrant=True, which cannot compute its "
+            "input gradients apart from its weight gradients, as the zero-bubble schedules ('zb_h1', 'zbv') do. "
+            "Pass use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})), let the pipeline checkpoint "
+            "(PipeStrategy(checkpoint='always') instead), or use schedule='1f1b'"
+        ) from error
 
 
 def _accumulate_grad_type() -> type:
@@ -122,7 +142,8 @@ class WeightGradients:
         for edges, grads, pins, leaves in self.groups:
             handles = [node.register_prehook(_pinned(saved)) for node, saved in pins.items()] if len(pins) > 1 else []
             try:
-                run_backward(edges, grads, keep_graph=True, inputs=leaves)
+                with _reentrant_checkpoints_named():
+                    run_backward(edges, grads, keep_graph=True, inputs=leaves)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -171,8 +192,9 @@ def backward_input(
     captured = [GradientEdge(node, k) for node in boundary for k in _slots(node, parents, root_edges)]
     used = [(e, g) for e, g in zip(root_edges, grads) if e.node in part]
     if used and inputs:
-        results = run_backward([e for e, _ in used], [g for _, g in used], keep_graph=True,
-                               inputs=list(inputs) + captured, accumulate=False)
+        with _reentrant_checkpoints_named():
+            results = run_backward([e for e, _ in used], [g for _, g in used], keep_graph=True,
+                                   inputs=list(inputs) + captured, accumulate=False)
     else:
         results = (None,) * (len(inputs) + len(captured))
     weights = WeightGradients()

@@ -175,3 +175,30 @@ def test_a_saved_tensor_changed_in_place_fails_as_without_a_pipeline(schedule, c
     ((outcome, (name, message, _)),) = run(_backward_after_an_in_place_change, 1, schedule, count, timeout=60,
                                            expect_errors=True)
     assert outcome == "error" and "modified by an inplace operation" in message, (outcome, name, message)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_reentrant_checkpoint_inside_a_layer_is_named_with_the_fix(reentrant):
+    """Hugging Face's gradient_checkpointing_enable() on transformers 4.x checkpoints each layer with
+    use_reentrant=True, which autograd.grad with inputs refuses: say which schedules split the backward and what
+    to use instead. Non-reentrant checkpointing splits as any layer does."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_pipe.errors import ConfigurationError
+
+    layer = nn.Linear(3, 3)
+    x = torch.ones(2, 3, requires_grad=True)
+    out = checkpoint(layer, x, use_reentrant=reentrant).sum()
+    if reentrant:
+        with pytest.raises(ConfigurationError, match=r"use_reentrant=True.*'zb_h1'.*use_reentrant': False"):
+            backward_input([out], [None], [x])
+        embedded = nn.Linear(3, 3)(torch.ones(2, 3))  # a first stage: no input gradients, the backward all in W
+        first_stage = checkpoint(layer, embedded, use_reentrant=True).sum()
+        _, weights = backward_input([first_stage], [None], [])
+        with pytest.raises(ConfigurationError, match=r"use_reentrant=True"):
+            weights.run()
+    else:
+        (dx,), weights = backward_input([out], [None], [x])
+        weights.run()
+        torch.testing.assert_close(dx, layer.weight.sum(0).expand(2, 3))
+        torch.testing.assert_close(layer.weight.grad, torch.full((3, 3), 2.0))
