@@ -15,11 +15,14 @@ Rules the modules must follow (torch's own modules do):
 - ``reset_parameters()`` initializes every parameter and buffer the module registers *itself*
   (not those of its children: each child is reset under its own name). A module that owns meta
   tensors and has no ``reset_parameters`` is refused with :class:`MaterializationError`, unless it
-  lies inside a Hugging Face model (a module with a ``config`` and an ``_init_weights(module)``
-  method, as every ``PreTrainedModel`` has): there the innermost such model's
-  ``_init_weights(module)`` initializes it after its ``reset_parameters()`` if it has one, as
-  Hugging Face initializes a model it builds (normal weights of the config's
-  ``initializer_range``, norms of ones, rotary tables computed).
+  lies inside a Hugging Face model (a module with a ``config``, ``post_init`` and an
+  ``_init_weights(module)`` method, as every ``PreTrainedModel`` has): there the innermost such
+  model's ``_init_weights(module)`` initializes it after its ``reset_parameters()`` if it has one,
+  and runs on the modules between it and the stage's layer that hold no tensors themselves
+  (children first), as transformers 5 initializes a model it builds (normal weights of the
+  config's ``initializer_range``, GPT-2's scaled output projections, norms of ones, rotary tables
+  and position ids computed). An integer tensor it leaves unwritten is refused, as a
+  floating-point one is.
 - Buffers are uninitialized memory until ``reset_parameters()`` writes them: a buffer computed in
   ``__init__`` (a rotary table, a causal mask) must be computed again there. A floating-point
   parameter or buffer that ``reset_parameters()`` leaves unwritten is detected (it is filled with
@@ -157,6 +160,23 @@ class _Plan:
                     pending.append(id(owner))
         return [m for m in self.order if id(m) in chosen]
 
+    def initialized_containers(self, modules: List[nn.Module]) -> List[nn.Module]:
+        """Modules inside a Hugging Face model that hold no tensors themselves but whose whole subtree is among
+        ``modules``: Hugging Face's ``_init_weights`` of such a module may set its children (GPT-2's attention
+        rescales its output projection), so it runs too. Hugging Face models and module lists are left out: they
+        span stages, and a call on part of them would make the values depend on the layout."""
+        selected = {t for m in modules for t in self.held[id(m)]}
+        containers = []
+        for m in self.order:
+            if self.held[id(m)] or id(m) not in self.initializer or _initializes_modules(m) \
+                    or isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                continue
+            tensors = [t for sub in m.modules() for t in (*sub._parameters.values(), *sub._buffers.values())
+                       if t is not None]
+            if tensors and all(t.is_meta and id(t) in selected for t in tensors):
+                containers.append(m)
+        return containers
+
 
 def _initializes_modules(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face model, which initializes its submodules with ``_init_weights(m)``
@@ -178,12 +198,24 @@ def _check_resettable(plan: _Plan, modules: List[nn.Module]) -> None:
         )
 
 
+def _unwritten_value(tensor: torch.Tensor, by_hugging_face: bool) -> Union[float, int, bool]:
+    """What a tensor holds before its initialization: NaN where it can; an integer tensor a module of a Hugging Face
+    model initializes gets its dtype's largest value (Hugging Face recomputes such buffers, position ids, in
+    ``_init_weights``, on some versions not: left so, they are refused rather than zero); other integers 0."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return float("nan")
+    if by_hugging_face and tensor.dtype != torch.bool:
+        return torch.iinfo(tensor.dtype).max
+    return 0
+
+
 def _allocate(plan: _Plan, modules: List[nn.Module], device: torch.device) -> None:
     """One real tensor per meta tensor the modules hold, put into every holder (ties stay ties)."""
     for tensor_id in dict.fromkeys(t for m in modules for t in plan.held[id(m)]):
         meta = plan.tensors[tensor_id]
         real = torch.empty_like(meta, device=device)
-        real.fill_(float("nan") if real.is_floating_point() or real.is_complex() else 0)
+        by_hugging_face = any(id(holder) in plan.initializer for holder, _, _ in plan.holders[tensor_id])
+        real.fill_(_unwritten_value(real, by_hugging_face))
         if isinstance(meta, nn.Parameter):
             real = nn.Parameter(real, requires_grad=meta.requires_grad)
             real.__dict__.update(meta.__dict__)  # user tags on the parameter (e.g. no weight decay)
@@ -203,7 +235,10 @@ def _check_written(plan: _Plan, modules: List[nn.Module]) -> None:
     for m in modules:
         for kind in ("_parameters", "_buffers"):
             for attr, tensor in getattr(m, kind).items():
-                if tensor is not None and _has_nan(tensor):
+                left = tensor is not None and not tensor.is_floating_point() and not tensor.is_complex() \
+                    and tensor.dtype != torch.bool and id(m) in plan.initializer \
+                    and bool((tensor == torch.iinfo(tensor.dtype).max).any())
+                if tensor is not None and (_has_nan(tensor) or left):
                     unwritten.append(f"`{_join(plan.name(m), attr)}` ({type(m).__name__})")
     for tensor_id in dict.fromkeys(t for m in modules for t in plan.held[id(m)]):
         holders = plan.holders[tensor_id]
@@ -261,13 +296,17 @@ def materialize(module: nn.Module, device: Union[str, torch.device], seed: int =
     plan = _Plan(module, prefix)
     modules = plan.select(include)
     _check_resettable(plan, modules)
+    containers = {id(m) for m in plan.initialized_containers(modules)}
     _allocate(plan, modules, device)
     devices = [device] if device.type == "cuda" else []
+    reset = {id(m) for m in modules}
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"), \
             torch.no_grad(), device:
-        for m in reversed(modules):  # a tied tensor's first holder resets it last: its values win
+        # children before their parents, as Hugging Face applies _init_weights; a tied tensor's first holder
+        # resets it last: its values win
+        for m in reversed([m for m in plan.order if id(m) in reset or id(m) in containers]):
             seed_torch(name_seed(seed, plan.name(m)), device)
-            if callable(getattr(m, "reset_parameters", None)):
+            if id(m) in reset and callable(getattr(m, "reset_parameters", None)):
                 m.reset_parameters()
             if id(m) in plan.initializer:
                 plan.initializer[id(m)]._init_weights(m)

@@ -221,6 +221,40 @@ def test_a_hugging_face_model_is_initialized_by_its_own_init_weights_per_part_as
     with pytest.raises(MaterializationError, match=r"`model.layers.0.adapter.scale` \(Adapter\).*_init_weights"):
         materialize(adapted, "cpu", seed=3)
 
+    class Positions(nn.Module):  # an integer buffer computed in __init__ only (transformers 4.x's position ids)
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("ids", torch.arange(8), persistent=False)
+
+    with torch.device("meta"):
+        counted = transformers.LlamaForCausalLM(config)
+        counted.model.positions = Positions()
+    with pytest.raises(MaterializationError, match=r"`model.positions.ids` \(Positions\)"):
+        materialize(counted, "cpu", seed=3)  # left unwritten: refused, not zeros
+
+
+def test_hugging_face_init_weights_also_runs_on_modules_that_set_their_childrens_weights():
+    """GPT-2's _init_weights of an attention or MLP module (which holds no tensor itself) rescales its output
+    projection to initializer_range / sqrt(2 n_layer) (regression: only tensor holders were initialized, so these
+    kept 0.02); a layer materialized alone still equals the whole model's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_embd=64, n_layer=8, n_head=4, n_positions=32)
+
+    def meta():
+        with torch.device("meta"):
+            return transformers.GPT2LMHeadModel(config)
+
+    whole = meta()
+    materialize(whole, "cpu", seed=2)
+    expected = 0.02 / (2 * 8) ** 0.5
+    projections = torch.cat([b.attn.c_proj.weight.reshape(-1) for b in whole.transformer.h])
+    assert abs(projections.std().item() - expected) < 0.1 * expected
+    assert abs(whole.transformer.h[0].attn.c_attn.weight.std().item() - 0.02) < 0.002
+    part = meta()
+    materialize(part, "cpu", seed=2, include=lambda name: name.startswith("transformer.h.5"))
+    for name, tensor in part.transformer.h[5].state_dict().items():
+        assert torch.equal(tensor, whole.transformer.h[5].state_dict()[name]), name
+
 
 def test_weights_loaded_into_a_model_built_on_the_meta_device_are_refused_not_lost():
     """configure_model() builds on the meta device under PipeStrategy, where copying pretrained weights into the
