@@ -14,9 +14,11 @@ with ``B`` the size of the batch dimension that every splittable tensor shares:
 
 Two containers torch's pytree does not open are opened too, and rebuilt as their own type in each
 microbatch: dataclasses (through ``dataclasses.replace``, so ``__post_init__`` runs for each
-microbatch) and ``collections.UserDict`` subclasses such as Hugging Face's ``BatchEncoding`` (its
-items split by the rules above; an attribute that is a list or tuple of exactly ``B`` objects, such
-as a fast tokenizer's per-sample ``encodings``, split per sample; other attributes kept).
+microbatch; one whose ``__post_init__`` changes the values it is given again is refused) and
+``collections.UserDict`` subclasses such as Hugging Face's ``BatchEncoding`` (its items split by
+the rules above; an attribute that is a list of exactly ``B`` objects, such as a fast tokenizer's
+per-sample ``encodings``, split per sample; other attributes kept). Such containers without
+tensors reach every microbatch whole.
 Other containers (other ``Mapping`` types, objects carrying tensors as attributes, a dataclass
 holding tensors in fields its ``__init__`` does not take) are refused with a
 :class:`~lightning_pipe.errors.ConfigurationError` naming the type when they hold tensors, rather
@@ -73,7 +75,7 @@ def is_sample_list(value: Any, batch_size: int) -> bool:
 
 
 class _Samples:
-    """A per-sample attribute of an opened ``UserDict`` (a list or tuple of the batch's length): split, not opened."""
+    """A per-sample attribute of an opened ``UserDict`` (a list of the batch's length): split, not opened."""
 
     __slots__ = ("items",)
 
@@ -83,15 +85,20 @@ class _Samples:
 
 class _Layout:
     """How an opened container is rebuilt from its values. Layouts compare equal for containers of one type with
-    the same keys, so that microbatches and steps of one batch structure share a tree spec."""
+    the same keys, so that microbatches and steps of one batch structure share a tree spec.
 
-    __slots__ = ("template", "keys", "attributes")
+    ``template`` is the container itself (its other attributes are kept), or None in a layout that only
+    describes (the pipeline's cached signature of a step's inputs, which must not keep a batch alive).
+    """
 
-    def __init__(self, template: Any, keys: tuple, attributes: tuple) -> None:
-        self.template, self.keys, self.attributes = template, keys, attributes
+    __slots__ = ("kind", "template", "keys", "attributes")
+
+    def __init__(self, template: Any, keys: tuple, attributes: tuple, keep: bool = True) -> None:
+        self.kind, self.template = type(template), template if keep else None
+        self.keys, self.attributes = keys, attributes
 
     def _key(self) -> tuple:
-        return type(self.template), self.keys, self.attributes
+        return self.kind, self.keys, self.attributes
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Layout) and self._key() == other._key()
@@ -100,7 +107,7 @@ class _Layout:
         return hash(self._key())
 
     def __repr__(self) -> str:
-        return f"{type(self.template).__qualname__}{list(self.keys + self.attributes)}"
+        return f"{self.kind.__qualname__}{list(self.keys + self.attributes)}"
 
     def rebuild(self, values: Sequence[Any]) -> Any:
         named = dict(zip(self.keys, values))
@@ -128,37 +135,83 @@ register_pytree_node(_Opened, lambda node: (node.values, node.layout),
 
 
 def _holds_tensor(value: Any) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0])
+    """Whether ``value`` holds a tensor anywhere, inside containers pytree does not open included."""
+    for leaf in tree_flatten(value, is_leaf=_closed)[0]:
+        if isinstance(leaf, (torch.Tensor, NoChunk)):
+            return True
+        contents = _opaque_contents(leaf) if _closed(leaf) else None
+        if contents and _holds_tensor(list(contents.values())):
+            return True
+    return False
 
 
-def _open_one(leaf: Any, batch_size: Optional[int]) -> Any:
-    """``leaf`` as an :class:`_Opened` node where it is a container we can rebuild (see the module docstring)."""
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an object without a plain equality (a NumPy array): not the same
+        return False
+
+
+def _rebuildable(leaf: Any, keys: tuple) -> None:
+    """Refuse a dataclass whose ``__init__`` cannot rebuild it from its own field values, or whose
+    ``__post_init__`` changes them (each microbatch would be changed a second time)."""
+    name = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+    fix = "return a dict, tuple or namedtuple from the collate_fn (or convert the batch in on_before_batch_transfer)"
+    try:
+        trial = dataclasses.replace(leaf, **{k: getattr(leaf, k) for k in keys})
+    except Exception as error:  # noqa: BLE001 - whatever __init__ raises, said with the fix
+        raise ConfigurationError(
+            f"the batch holds a {name} (a dataclass), which lightning_pipe rebuilds for each microbatch through "
+            f"dataclasses.replace, and that raised {type(error).__name__}: {error}; {fix}") from error
+    changed = [k for k in keys if not _same(getattr(trial, k), getattr(leaf, k))]
+    if changed:
+        raise ConfigurationError(
+            f"the batch holds a {name} (a dataclass) whose __post_init__ changes {changed} when it is rebuilt from its "
+            "own values; lightning_pipe rebuilds it for each microbatch through its __init__, so each microbatch "
+            f"would be changed a second time. Make __post_init__ leave values it already converted as they are, or "
+            f"{fix}")
+
+
+def _open_one(leaf: Any, batch_size: Optional[int], keep: bool) -> Any:
+    """``leaf`` as an :class:`_Opened` node where it is a container we can rebuild and it holds tensors (see the
+    module docstring); anything else as it is."""
     if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
         fields = dataclasses.fields(leaf)
+        if not _holds_tensor([getattr(leaf, f.name, None) for f in fields]):
+            return leaf  # nothing to split: every microbatch gets it whole
         if any(not f.init and _holds_tensor(getattr(leaf, f.name, None)) for f in fields):
             return leaf  # replace() would not carry such a field over: refused if it holds batched tensors
         keys = tuple(f.name for f in fields if f.init)
-        return _Opened([open_containers(getattr(leaf, k), batch_size) for k in keys], _Layout(leaf, keys, ()))
-    if isinstance(leaf, UserDict) and isinstance(leaf.data, dict):
+        if keep:
+            _rebuildable(leaf, keys)
+        return _Opened([open_containers(getattr(leaf, k), batch_size, keep) for k in keys],
+                       _Layout(leaf, keys, (), keep))
+    data = getattr(leaf, "data", None) if isinstance(leaf, UserDict) else None
+    if isinstance(data, dict) and _holds_tensor(list(data.values())):
         samples = []
         for name, value in vars(leaf).items():
             if name == "data":
                 continue
-            if isinstance(value, (list, tuple)) and batch_size is not None and len(value) == batch_size > 0:
+            if isinstance(value, list) and batch_size is not None and len(value) == batch_size > 0:
                 samples.append(name)
             elif _holds_tensor(value):
                 return leaf  # a tensor outside the items: refused if batched
-        keys = tuple(leaf.data)
-        values = [open_containers(leaf.data[k], batch_size) for k in keys]
+        keys = tuple(data)
+        values = [open_containers(data[k], batch_size, keep) for k in keys]
         return _Opened(values + [_Samples(getattr(leaf, name)) for name in samples],
-                       _Layout(leaf, keys, tuple(samples)))
+                       _Layout(leaf, keys, tuple(samples), keep))
     return leaf
 
 
-def open_containers(tree: Any, batch_size: Optional[int] = None) -> Any:
+def open_containers(tree: Any, batch_size: Optional[int] = None, keep: bool = True) -> Any:
     """``tree`` with its dataclasses and ``UserDict`` containers opened for torch's pytree; flattening it reaches
     their tensors and unflattening rebuilds them. Attributes of a ``UserDict`` are split per sample only when they
-    have ``batch_size`` entries.
+    are lists of ``batch_size`` entries. ``keep=False`` opens for a description only (the tree spec keeps no
+    container; it cannot be unflattened).
 
     Example:
         >>> @dataclasses.dataclass
@@ -172,7 +225,7 @@ def open_containers(tree: Any, batch_size: Optional[int] = None) -> Any:
     if not any(isinstance(leaf, UserDict) or dataclasses.is_dataclass(leaf)
                for leaf in tree_flatten(tree, is_leaf=_closed)[0]):
         return tree  # the common case: nothing to open
-    return tree_map(lambda leaf: _open_one(leaf, batch_size), tree, is_leaf=_closed)
+    return tree_map(lambda leaf: _open_one(leaf, batch_size, keep), tree, is_leaf=_closed)
 
 
 def _closed(value: Any) -> bool:
@@ -189,7 +242,8 @@ def _opaque_contents(leaf: Any) -> Optional[dict]:
     if dataclasses.is_dataclass(leaf):
         return {f.name: getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)}
     if isinstance(leaf, UserDict):
-        return {**vars(leaf), **leaf.data}
+        data = getattr(leaf, "data", None)
+        return {**vars(leaf), **(dict(data) if isinstance(data, Mapping) else {})}
     if isinstance(leaf, Mapping):
         try:
             return dict(leaf.items())

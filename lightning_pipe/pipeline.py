@@ -40,7 +40,7 @@ _instances = itertools.count()
 
 def _input_signature(inputs: tuple, chunks: int, batch_dim: int) -> tuple:
     """What the microbatches' structure, shapes and dtypes follow from (``scatter`` is deterministic)."""
-    leaves, spec = tree_flatten(open_containers(inputs), is_leaf=lambda x: isinstance(x, NoChunk))
+    leaves, spec = tree_flatten(open_containers(inputs, keep=False), is_leaf=lambda x: isinstance(x, NoChunk))
     metas = []
     for leaf in leaves:
         tensor = leaf.tensor if isinstance(leaf, NoChunk) else leaf

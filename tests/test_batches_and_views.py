@@ -116,6 +116,62 @@ def test_a_hugging_face_batch_encoding_from_a_fast_tokenizer_splits_with_its_enc
     assert [p["labels"].tolist() for p in scatter(collated, chunks=3)] == [[[2, 3, -100]], [[3, 4, 2]], [[4, -100, -100]]]
 
 
+@dataclasses.dataclass
+class _Shifted:  # a __post_init__ that converts what it is given, again on a rebuild
+    ids: torch.Tensor
+
+    def __post_init__(self):
+        self.ids = self.ids + 1
+
+
+@dataclasses.dataclass
+class _WithInitVar:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[float]
+
+    def __post_init__(self, scale):
+        self.x = self.x * scale if scale != 1 else self.x
+
+
+@dataclasses.dataclass
+class _Settings:  # no tensor: nothing to split
+    name: str
+    sizes: tuple
+
+
+def test_dataclasses_that_cannot_be_rebuilt_faithfully_are_refused_and_those_without_tensors_go_whole():
+    with pytest.raises(ConfigurationError, match=r"_Shifted \(a dataclass\) whose __post_init__ changes \['ids'\]"):
+        scatter(_Shifted(torch.zeros(4)), chunks=2)  # each microbatch would be shifted twice
+    with pytest.raises(ConfigurationError, match=r"_WithInitVar \(a dataclass\).*raised ValueError.*InitVar"):
+        scatter(_WithInitVar(torch.zeros(4), 2.0), chunks=2)
+    settings = _Settings("a", (1, 2))
+    parts = scatter((torch.zeros(4), settings), chunks=2)
+    assert all(p[1] is settings for p in parts)
+
+
+def test_user_dict_attributes_other_than_per_sample_lists_are_kept_and_odd_ones_do_not_crash():
+    batch = _BatchEncoding({"ids": torch.arange(4)}, encodings=("a", "b", "c", "d"))  # a tuple: kept whole
+    assert [p._encodings for p in scatter(batch, chunks=2)] == [("a", "b", "c", "d")] * 2
+    odd = _BatchEncoding({})
+    odd.data = "not a dict"
+    parts = scatter((torch.zeros(4), odd), chunks=2)
+    assert all(p[1] is odd for p in parts)
+
+
+def test_the_pipelines_cached_input_signature_keeps_no_batch_alive():
+    import gc
+    import weakref
+
+    from lightning_pipe.pipeline import _input_signature
+
+    batch = _Pair(torch.zeros(4, 3), torch.zeros(4))
+    signature = _input_signature((batch,), 2, 0)
+    alive = weakref.ref(batch)
+    del batch
+    gc.collect()
+    assert alive() is None and signature == _input_signature((_Pair(torch.ones(4, 3), torch.ones(4)),), 2, 0)
+
+
 def test_the_pipelines_input_signature_sees_the_shapes_inside_an_opened_batch():
     from lightning_pipe.pipeline import _input_signature
 
