@@ -62,8 +62,10 @@ class _RefuseValuesIntoMeta(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[0], torch.Tensor) and args[0].is_meta \
-                and isinstance(args[1], torch.Tensor) and not args[1].is_meta:
+        source = args[1] if func is torch.Tensor.copy_ and len(args) > 1 else \
+            args[2] if func is torch.Tensor.__setitem__ and len(args) > 2 else None
+        if isinstance(source, torch.Tensor) and not source.is_meta and isinstance(args[0], torch.Tensor) \
+                and args[0].is_meta:
             raise MaterializationError(
                 f"values were copied into a tensor of shape {tuple(args[0].shape)} built on the meta device (in "
                 "configure_model() or under init_module(empty_init=True)), which keeps none of them: a meta tensor "
@@ -76,10 +78,10 @@ class _RefuseValuesIntoMeta(TorchFunctionMode):
 
 @contextmanager
 def building_on_meta() -> Iterator[None]:
-    """Build modules on the meta device (``torch.device("meta")``); copying real values into a meta tensor
-    raises :class:`MaterializationError` instead of doing nothing, as a meta ``copy_`` does (pretrained
-    weights loaded there would be lost when the model is materialized; ``load_state_dict`` reports the
-    error in its own ``RuntimeError``).
+    """Build modules on the meta device (``torch.device("meta")``), where copying a real tensor's values into a
+    meta tensor (``copy_``, item assignment) does nothing: here it raises :class:`MaterializationError` instead
+    (pretrained weights loaded there would be lost when the model is materialized; ``load_state_dict``
+    reports the error in its own ``RuntimeError``).
 
     Example:
         >>> pretrained = nn.Linear(2, 2).state_dict()

@@ -268,6 +268,8 @@ def test_weights_loaded_into_a_model_built_on_the_meta_device_are_refused_not_lo
         assert layer.weight.is_meta
         with pytest.raises(RuntimeError, match=r"built on the meta device.*Load pretrained weights in on_fit_start"):
             layer.load_state_dict(pretrained)
+        with pytest.raises(MaterializationError, match="built on the meta device"), torch.no_grad():
+            layer.bias[:] = pretrained["bias"]
         layer.load_state_dict(pretrained, assign=True)
         meta_copy = nn.Linear(2, 2)
         meta_copy.load_state_dict(nn.Linear(2, 2, device="meta").state_dict())  # meta into meta: nothing lost
