@@ -326,3 +326,15 @@ def test_a_whole_models_state_dict_loads_strictly_into_a_stand_in_which_takes_it
         local.load_state_dict({**whole.state_dict(), "extra": torch.zeros(1)})  # not a layer: still unexpected
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "3.linear.bias"'):
         local.load_state_dict({k: v for k, v in whole.state_dict().items() if k != "3.linear.bias"})
+
+
+def test_a_block_returning_tensors_besides_the_hidden_state_is_refused_with_what_to_switch_off():
+    """Attention maps, caches, auxiliary losses, or a value the loop hands to the next block (T5's position bias)
+    would not cross stages: named, not dropped."""
+    from lightning_pipe.errors import BodyCallError
+    from lightning_pipe.lightning.layer_list import _hidden_of
+
+    hidden = torch.zeros(2, 3)
+    assert _hidden_of(hidden, 0) is hidden and _hidden_of((hidden, None, 1.0), 0) is hidden
+    with pytest.raises(BodyCallError, match=r"block 1 returned 2 values.*use_cache=False.*T5's position bias"):
+        _hidden_of((hidden, torch.ones(2, 4, 3, 3)), 1)

@@ -494,7 +494,9 @@ def _hidden_of(out: Any, index: int) -> torch.Tensor:
             raise BodyCallError(
                 f"block {index} returned {len(out)} values with tensors besides the hidden state; under PipeStrategy "
                 "only the hidden state crosses stages, so per-block outputs such as attention maps, key/value caches "
-                "or auxiliary losses would be lost: switch them off (e.g. use_cache=False, output_attentions=False)"
+                "or auxiliary losses would be lost: switch them off (e.g. use_cache=False, output_attentions=False). "
+                "A loop that hands such an output to the next block (T5's position bias) is not supported: pipeline "
+                "another part of the model, or move that value into the blocks"
             )
         return out[0]
     raise BodyCallError(
