@@ -536,6 +536,12 @@ class HFCausalLM(LMBase):
         elif family == "qwen2":  # full attention in layers 0-1, a sliding window in 2-3: a mask per layer type
             self.model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
                 num_key_value_heads=1, use_sliding_window=True, sliding_window=4, max_window_layers=2, **common))
+        elif family == "bart":  # encoder-decoder: the decoder's layers take the encoder's output as an extra argument
+            self.model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+                vocab_size=VOCAB, d_model=WIDTH, encoder_layers=2, decoder_layers=4, encoder_attention_heads=HEADS,
+                decoder_attention_heads=HEADS, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH,
+                max_position_embeddings=LENGTH + 2, pad_token_id=PAD, decoder_start_token_id=PAD,
+                dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
         elif family == "mistral":  # sliding-window attention
             self.model = transformers.MistralForCausalLM(
                 transformers.MistralConfig(num_key_value_heads=1, sliding_window=4, **common))
@@ -546,6 +552,11 @@ class HFCausalLM(LMBase):
 
     def training_step(self, batch, batch_idx):
         cache = {} if self.use_cache is None else {"use_cache": self.use_cache}
+        if self.family == "bart":  # the model's own loss over the labels that are not -100
+            tokens, labels = batch
+            out = self.model(input_ids=tokens, attention_mask=(tokens != PAD).long(), labels=labels, **cache)
+            self.log("train_loss", out.loss)
+            return out.loss
         if self.family == "mistral":  # the model's own loss (mean over the shifted labels that are not -100), as is
             out = self.model(**batch, **cache)
             self.log("train_loss", out.loss)
@@ -608,6 +619,7 @@ CASES = {
     "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
     "hf_mistral": (lambda: HFCausalLM("mistral"), "encodings"), "hf_meta": (HFMetaLlama, "tokens"),
+    "hf_bart": (lambda: HFCausalLM("bart"), "tokens"),
     "hf_pretrained": (HFPretrainedLlama, "tokens"),
 }
 

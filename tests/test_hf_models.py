@@ -8,7 +8,8 @@ without padding and a tensor otherwise, rotary ``position_embeddings``, ``positi
 layer type) and ``MistralForCausalLM`` (sliding-window attention), called with their default
 ``use_cache=True`` (a ``DynamicCache`` made per call and given to every layer). ``hf_meta`` is the Llama
 built in ``configure_model()``: on the meta device under PipeStrategy, each rank materializing its part with
-Hugging Face's own initialization; ``hf_pretrained`` the same, then given pretrained weights in ``on_fit_start``.
+Hugging Face's own initialization; ``hf_pretrained`` the same, then given pretrained weights in ``on_fit_start``;
+``hf_bart`` an encoder-decoder (``BartForConditionalGeneration``) with its own loss.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.conftest import launch_lm_app
 
 pytest.importorskip("transformers")
 
-FAMILIES = ("llama", "gpt2", "qwen2", "mistral", "meta", "pretrained")
+FAMILIES = ("llama", "gpt2", "qwen2", "mistral", "meta", "pretrained", "bart")
 RUNS = {
     "reference": [dict(name=f"hf_{f}", case=f"hf_{f}", strategy="ddp", devices=1) for f in FAMILIES],
     "pipelined": [dict(name="hf_llama", case="hf_llama", strategy="pipe", devices=2),
@@ -28,7 +29,8 @@ RUNS = {
                   dict(name="hf_qwen2", case="hf_qwen2", strategy="pipe", devices=2, checkpoint="always"),
                   dict(name="hf_mistral", case="hf_mistral", strategy="pipe", devices=2, schedule="zb_h1"),
                   dict(name="hf_meta", case="hf_meta", strategy="pipe", devices=2),
-                  dict(name="hf_pretrained", case="hf_pretrained", strategy="pipe", devices=2, schedule="gpipe")],
+                  dict(name="hf_pretrained", case="hf_pretrained", strategy="pipe", devices=2, schedule="gpipe"),
+                  dict(name="hf_bart", case="hf_bart", strategy="pipe", devices=2)],
 }
 
 
@@ -55,6 +57,9 @@ def runs(tmp_path_factory):
     # ... and given pretrained weights with a strict load_state_dict in on_fit_start (regression: the stand-in
     # for the decoder layers called the other stages' layers unexpected keys)
     ("pretrained", 1e-5),
+    # encoder-decoder: the body is the decoder's layers, the encoder runs before it on the first stage; its output
+    # reaches every decoder layer as an extra argument, and its gradients come back from every stage
+    ("bart", 1e-9),
 ])
 def test_transformers_model_trains_as_under_ddp(runs, family, tolerance):
     got, want = runs["pipelined"][f"hf_{family}"], runs["reference"][f"hf_{family}"]
