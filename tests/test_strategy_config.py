@@ -237,6 +237,24 @@ def test_lazy_parameters_are_refused_by_name_before_any_collective():
         plan(SimpleNamespace(deferred_batch_norm=False, body=None), Lazy(), None)  # no process group: none used
 
 
+def test_a_mixture_of_experts_returning_its_router_logits_is_refused_by_name_before_any_collective():
+    """Regression: Mixtral with output_router_logits=True crashed in the last stage's step with transformers'
+    IndexError (the router logits are recorded by hooks inside the blocks, which run outside the step)."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_pipe.lightning.layout import plan
+
+    class Moe(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+                vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1, output_router_logits=True))
+
+    with pytest.raises(ConfigurationError, match=r"`model` has config.output_router_logits=True.*"
+                                                 r"Set config.output_router_logits=False"):
+        plan(SimpleNamespace(deferred_batch_norm=False, body=None), Moe(), None)  # no process group: none used
+
+
 def test_a_collective_over_every_process_from_inside_the_step_is_refused_by_name():
     """Regression: trainer.strategy.barrier() after the body ran on the last stage only and waited until the
     timeout, then failed with gloo's "Connection closed by peer"."""

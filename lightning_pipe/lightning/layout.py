@@ -62,6 +62,7 @@ def plan(strategy: Any, module: nn.Module, trainer: Any) -> Layout:
             f"the model has uninitialized (lazy) parameters or buffers: {lazy[:4]}{more}. "
             "PipeStrategy splits the model by its parameters before the first step, as DDP wraps it; run a dummy "
             "forward in __init__ (or give the layers their sizes: nn.Linear instead of nn.LazyLinear)")
+    _refuse_router_logits(module)
     built_on_meta = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
     gradients.broadcast_module(module, strategy.root_device)  # every stage and replica starts from rank 0's weights
     balance, costs = strategy.balance, None
@@ -79,6 +80,22 @@ def plan(strategy: Any, module: nn.Module, trainer: Any) -> Layout:
     split = SplitModel(module, path, body, balance, strategy.stage_index, strategy.stage_ranks, channel)
     sharded = strategy.state_dict_type == "sharded" or strategy.state_dict_type is None and built_on_meta
     return Layout(split, costs, sharded)
+
+
+def _refuse_router_logits(module: nn.Module) -> None:
+    """A Hugging Face mixture-of-experts model set to return its router logits collects them with forward hooks
+    inside its blocks, for a load-balancing loss the step computes from all of them; the blocks run on their stages,
+    outside the step, so the loss would see none (transformers then fails with an IndexError). Named here, on every
+    rank before any collective."""
+    routed = [name for name, m in module.named_modules()
+              if getattr(getattr(m, "config", None), "output_router_logits", False) is True]
+    if routed:
+        raise ConfigurationError(
+            f"`{routed[0]}` has config.output_router_logits=True: this mixture-of-experts model then collects every "
+            "layer's router logits from inside the blocks for its load-balancing (auxiliary) loss, and under "
+            "PipeStrategy the blocks run on their stages, outside the step that computes the loss, so none would reach "
+            "it. Set config.output_router_logits=False (the routers still train through the experts' weighted "
+            "outputs, without the auxiliary loss), or train the model without PipeStrategy")
 
 
 def _materialize(strategy: Any, module: nn.Module, path: str, body: nn.Module, balance: List[int]) -> None:
