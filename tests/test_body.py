@@ -338,3 +338,21 @@ def test_a_block_returning_tensors_besides_the_hidden_state_is_refused_with_what
     assert _hidden_of(hidden, 0) is hidden and _hidden_of((hidden, None, 1.0), 0) is hidden
     with pytest.raises(BodyCallError, match=r"block 1 returned 2 values.*use_cache=False.*T5's position bias"):
         _hidden_of((hidden, torch.ones(2, 4, 3, 3)), 1)
+
+
+def test_a_forward_hook_put_on_a_block_during_the_step_is_refused_and_one_put_before_is_not():
+    """Hugging Face's output_hidden_states=True records each decoder layer's output with forward hooks it puts on
+    the layers inside the model's forward; the layers run on their stages, outside the step, so the step saw an
+    empty tuple (an IndexError in transformers' code, or in the user's). Hooks already there (a profiler's) stay."""
+    from lightning_pipe.errors import BodyCallError
+
+    s, blocks = stand_in()
+    blocks[1].register_forward_hook(lambda *args: None)  # before the step: a profiler's
+    s.begin_step("stop")
+    x = torch.ones(2, 4)
+    h = s[0](x)
+    handle = blocks[1].register_forward_hook(lambda *args: None)
+    with pytest.raises(BodyCallError, match=r"forward hook was put on block 1 during the step.*output_hidden_states"):
+        s[1](h)
+    handle.remove()
+    s.begin_step("local")

@@ -242,6 +242,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         self._input: Optional[torch.Tensor] = None  # the first block's hidden state in this pass (first stage)
         self._output: Optional[torch.Tensor] = None  # the stage's output, in the first pass
         self._learning = False  # this pass is the first: the stage's blocks run as they are called
+        self._hook_counts: Optional[List[int]] = None  # forward hooks on each block when the step began
         # not registered: the blocks' names stay the list's own
         self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
 
@@ -265,7 +266,8 @@ class PipelinedLayerList(StandIn, nn.Module):
         super().begin_step(mode, replacement, checkpoint_layers)
         # straight into __dict__ (per call, so kept cheap): nn.Module.__setattr__ first looks for a parameter,
         # buffer or submodule of the name, and tensors are what these hold
-        self.__dict__.update(_seen=[], _handed=None, _input=None, _output=None, _last_split=None)
+        self.__dict__.update(_seen=[], _handed=None, _input=None, _output=None, _last_split=None,
+                             _hook_counts=None if mode == "local" else [_hooks_on(b) for b in self.blocks])
 
     def reached(self) -> bool:
         return bool(self._seen)  # the loop's first block call (calls counts the Sequential stand-in's)
@@ -292,6 +294,13 @@ class PipelinedLayerList(StandIn, nn.Module):
             raise BodyCallError(
                 f"block {index} was called without a tensor as its first positional argument; under PipeStrategy "
                 "the hidden state is the first positional argument of every block call"
+            )
+        if _hooks_on(self.blocks[index]) != self._hook_counts[index]:
+            raise BodyCallError(
+                f"a forward hook was put on block {index} during the step (Hugging Face's output_hidden_states=True "
+                "records each layer's output that way); under PipeStrategy the blocks run on their stages, outside "
+                "the step, so it would record nothing and the step would see an empty tuple. Drop "
+                "output_hidden_states (or the hook), or compute what it is needed for inside the blocks"
             )
         structure, tensors = self._split(args[1:], kwargs)
         if self.mode == "replace":
@@ -483,6 +492,10 @@ class HiddenStandIn(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"HiddenStandIn(block {self._block}, shape={tuple(self.shape)})"
+
+
+def _hooks_on(block: nn.Module) -> int:
+    return len(block._forward_hooks) + len(block._forward_pre_hooks)
 
 
 def _hidden_of(out: Any, index: int) -> torch.Tensor:
