@@ -342,8 +342,9 @@ def test_a_block_returning_tensors_besides_the_hidden_state_is_refused_with_what
 
 def test_a_forward_hook_put_on_a_block_during_the_step_is_refused_and_one_put_before_is_not():
     """Hugging Face's output_hidden_states=True records each decoder layer's output with forward hooks it puts on
-    the layers inside the model's forward; the layers run on their stages, outside the step, so the step saw an
-    empty tuple (an IndexError in transformers' code, or in the user's). Hooks already there (a profiler's) stay."""
+    the layers inside the model's forward (output_attentions on their attention modules); the layers run on their
+    stages, outside the step, so the step saw an empty tuple (an IndexError in transformers' code, or in the
+    user's). Hooks already there (a profiler's) stay."""
     from lightning_pipe.errors import BodyCallError
 
     s, blocks = stand_in()
@@ -354,5 +355,10 @@ def test_a_forward_hook_put_on_a_block_during_the_step_is_refused_and_one_put_be
     handle = blocks[1].register_forward_hook(lambda *args: None)
     with pytest.raises(BodyCallError, match=r"forward hook was put on block 1 during the step.*output_hidden_states"):
         s[1](h)
+    handle.remove()
+    s.begin_step("stop")
+    handle = blocks[0].linear.register_forward_pre_hook(lambda *args: None)  # output_attentions: on a submodule
+    with pytest.raises(BodyCallError, match=r"put on block 0 \(its `linear`\) during the step.*output_attentions"):
+        s[0](x)
     handle.remove()
     s.begin_step("local")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import pickle
 import sys
 import types
@@ -46,6 +47,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
+from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.errors import BodyCallError
 from lightning_pipe.lightning.body import BodyReached, StandIn
@@ -242,7 +244,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         self._input: Optional[torch.Tensor] = None  # the first block's hidden state in this pass (first stage)
         self._output: Optional[torch.Tensor] = None  # the stage's output, in the first pass
         self._learning = False  # this pass is the first: the stage's blocks run as they are called
-        self._hook_counts: Optional[List[int]] = None  # forward hooks on each block when the step began
+        self._first_hook = 0  # the id torch gives the first hook registered after the step began
         # not registered: the blocks' names stay the list's own
         self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
 
@@ -267,7 +269,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         # straight into __dict__ (per call, so kept cheap): nn.Module.__setattr__ first looks for a parameter,
         # buffer or submodule of the name, and tensors are what these hold
         self.__dict__.update(_seen=[], _handed=None, _input=None, _output=None, _last_split=None,
-                             _hook_counts=None if mode == "local" else [_hooks_on(b) for b in self.blocks])
+                             _first_hook=RemovableHandle.next_id)
 
     def reached(self) -> bool:
         return bool(self._seen)  # the loop's first block call (calls counts the Sequential stand-in's)
@@ -295,13 +297,8 @@ class PipelinedLayerList(StandIn, nn.Module):
                 f"block {index} was called without a tensor as its first positional argument; under PipeStrategy "
                 "the hidden state is the first positional argument of every block call"
             )
-        if _hooks_on(self.blocks[index]) != self._hook_counts[index]:
-            raise BodyCallError(
-                f"a forward hook was put on block {index} during the step (Hugging Face's output_hidden_states=True "
-                "records each layer's output that way); under PipeStrategy the blocks run on their stages, outside "
-                "the step, so it would record nothing and the step would see an empty tuple. Drop "
-                "output_hidden_states (or the hook), or compute what it is needed for inside the blocks"
-            )
+        if RemovableHandle.next_id != self._first_hook:  # a hook was registered somewhere since the step began
+            _refuse_hooks_put_in_step(self.blocks[index], index, self._first_hook)
         structure, tensors = self._split(args[1:], kwargs)
         if self.mode == "replace":
             if self._seen and index == self._seen[-1][0] + 1:  # the order is end_step's to check
@@ -494,8 +491,20 @@ class HiddenStandIn(torch.Tensor):
         return f"HiddenStandIn(block {self._block}, shape={tuple(self.shape)})"
 
 
-def _hooks_on(block: nn.Module) -> int:
-    return len(block._forward_hooks) + len(block._forward_pre_hooks)
+def _refuse_hooks_put_in_step(block: nn.Module, index: int, first: int) -> None:
+    """Refuse forward hooks put on ``block`` or its submodules since the step began (hook ids count up globally):
+    Hugging Face records per-layer values that way (``output_hidden_states``, ``output_attentions``,
+    ``output_router_logits``), and the blocks run on their stages, outside the step, so such a hook records nothing
+    there and the step sees an empty tuple. Hooks put before the step (a profiler's) are left alone."""
+    for name, module in block.named_modules():
+        if any(key >= first for key in itertools.chain(module._forward_hooks, module._forward_pre_hooks)):
+            where = f"block {index}" + (f" (its `{name}`)" if name else "")
+            raise BodyCallError(
+                f"a forward hook was put on {where} during the step (Hugging Face records output_hidden_states, "
+                "output_attentions and output_router_logits that way); under PipeStrategy the blocks run on their "
+                "stages, outside the step, so it would record nothing and the step would see an empty tuple. Drop "
+                "the option (or the hook), or compute what it is needed for inside the blocks"
+            )
 
 
 def _hidden_of(out: Any, index: int) -> torch.Tensor:
