@@ -120,13 +120,14 @@ class _Plan:
     def __init__(self, module: nn.Module, prefix: str) -> None:
         self.names: Dict[int, List[str]] = {}
         self.order: List[nn.Module] = []
+        paths: Dict[str, nn.Module] = {}
         for name, sub in module.named_modules(remove_duplicate=False):
             if id(sub) not in self.names:
                 self.names[id(sub)] = []
                 self.order.append(sub)
             self.names[id(sub)].append(_join(prefix, name))
+            paths[name] = sub
         self.initializer: Dict[int, nn.Module] = {}  # module id -> the Hugging Face model that initializes it
-        paths = dict(module.named_modules(remove_duplicate=False))
         for name, sub in paths.items():
             parts = name.split(".") if name else []
             for k in range(len(parts), -1, -1):  # the innermost enclosing model, the module itself included
@@ -211,18 +212,27 @@ def _unwritten_value(tensor: torch.Tensor, by_hugging_face: bool) -> Union[float
     return 0
 
 
-def _allocate(plan: _Plan, modules: List[nn.Module], device: torch.device) -> None:
-    """One real tensor per meta tensor the modules hold, put into every holder (ties stay ties)."""
+def _allocate(plan: _Plan, modules: List[nn.Module], device: torch.device) -> Dict[int, int]:
+    """One real tensor per meta tensor the modules hold, put into every holder (ties stay ties).
+
+    Returns the integer tensors filled with another value than 0 (by their ``id``: the value), for
+    :func:`_check_written`.
+    """
+    sentinels: Dict[int, int] = {}
     for tensor_id in dict.fromkeys(t for m in modules for t in plan.held[id(m)]):
         meta = plan.tensors[tensor_id]
         real = torch.empty_like(meta, device=device)
         by_hugging_face = any(id(holder) in plan.initializer for holder, _, _ in plan.holders[tensor_id])
-        real.fill_(_unwritten_value(real, by_hugging_face))
+        value = _unwritten_value(real, by_hugging_face)
+        real.fill_(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value != 0:
+            sentinels[id(real)] = value
         if isinstance(meta, nn.Parameter):
             real = nn.Parameter(real, requires_grad=meta.requires_grad)
             real.__dict__.update(meta.__dict__)  # user tags on the parameter (e.g. no weight decay)
         for holder, kind, attr in plan.holders[tensor_id]:
             getattr(holder, kind)[attr] = real
+    return sentinels
 
 
 def _has_nan(tensor: torch.Tensor) -> bool:
@@ -232,14 +242,12 @@ def _has_nan(tensor: torch.Tensor) -> bool:
     return any(bool(torch.isnan(part).any()) for part in flat.split(_CHUNK))
 
 
-def _check_written(plan: _Plan, modules: List[nn.Module]) -> None:
+def _check_written(plan: _Plan, modules: List[nn.Module], sentinels: Dict[int, int]) -> None:
     unwritten, untied = [], []
     for m in modules:
         for kind in ("_parameters", "_buffers"):
             for attr, tensor in getattr(m, kind).items():
-                left = tensor is not None and not tensor.is_floating_point() and not tensor.is_complex() \
-                    and tensor.dtype != torch.bool and id(m) in plan.initializer \
-                    and bool((tensor == torch.iinfo(tensor.dtype).max).any())
+                left = tensor is not None and id(tensor) in sentinels and bool((tensor == sentinels[id(tensor)]).any())
                 if tensor is not None and (_has_nan(tensor) or left):
                     unwritten.append(f"`{_join(plan.name(m), attr)}` ({type(m).__name__})")
     for tensor_id in dict.fromkeys(t for m in modules for t in plan.held[id(m)]):
@@ -299,7 +307,7 @@ def materialize(module: nn.Module, device: Union[str, torch.device], seed: int =
     modules = plan.select(include)
     _check_resettable(plan, modules)
     containers = {id(m) for m in plan.initialized_containers(modules)}
-    _allocate(plan, modules, device)
+    sentinels = _allocate(plan, modules, device)
     devices = [device] if device.type == "cuda" else []
     reset = {id(m) for m in modules}
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"), \
@@ -312,5 +320,5 @@ def materialize(module: nn.Module, device: Union[str, torch.device], seed: int =
                 m.reset_parameters()
             if id(m) in plan.initializer:
                 plan.initializer[id(m)]._init_weights(m)
-    _check_written(plan, modules)
+    _check_written(plan, modules, sentinels)
     return [plan.name(m) for m in modules]

@@ -285,7 +285,7 @@ def batch_size_of(inputs: Any, batch_dim: int = 0) -> int:
         ConfigurationError: no tensor to split, tensors disagree on the batch size, or a container
             that hides tensors from the split (see the module docstring).
     """
-    leaves, _ = tree_flatten(open_containers(inputs))
+    leaves, _ = tree_flatten(open_containers(inputs, keep=False))  # the leaves only: nothing is rebuilt
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     short = [tuple(t.shape) for t in tensors if not -t.dim() <= batch_dim < t.dim()]
     if short:
@@ -393,6 +393,6 @@ def gather(outputs: Sequence[Any], batch_dim: int = 0) -> Any:
 
 def _size_of_output(output: Any, batch_dim: int) -> Optional[int]:
     """The batch size every tensor of a microbatch's output shares along ``batch_dim``, else None."""
-    leaves, _ = tree_flatten(open_containers(output))
+    leaves, _ = tree_flatten(open_containers(output, keep=False))
     sizes = {t.shape[batch_dim] for t in leaves if isinstance(t, torch.Tensor) and -t.dim() <= batch_dim < t.dim()}
     return sizes.pop() if len(sizes) == 1 else None

@@ -106,6 +106,11 @@ _VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch
            enum.Enum, type, slice, range, type(Ellipsis), types.FunctionType, types.BuiltinFunctionType)
 
 
+def _copied_per_run(constants: tuple) -> bool:
+    """Whether a call structure's non-tensor leaves hold an object that each run gets its own copy of."""
+    return not all(isinstance(c, _VALUES) for c in constants)
+
+
 class CallChannel:
     """Call structures by content id, through the job's key-value store (written once each).
 
@@ -134,7 +139,7 @@ class CallChannel:
         if key not in self._by_key and self.store is not None:
             self.store.set(f"{key:x}", data)
         self._by_key[key] = structure
-        if not all(isinstance(c, _VALUES) for c in constants):
+        if _copied_per_run(constants):
             self._records[key] = data
         self._last = (structure, key)
         return key
@@ -145,7 +150,7 @@ class CallChannel:
             data = self.store.get(f"{key:x}")
             spec, constants, slots = pickle.loads(data)
             self._by_key[key] = (treespec_loads(spec), constants, slots)
-            if not all(isinstance(c, _VALUES) for c in constants):
+            if _copied_per_run(constants):
                 self._records[key] = data
                 return self._by_key[key]  # just unpickled: a copy no run has had yet
         record = self._records.get(key)
