@@ -21,6 +21,11 @@ import random
 
 import torch
 
+try:
+    import numpy
+except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+    numpy = None
+
 USER_STEP = -1  # the stream of a user's step (stage streams are the stage indices, >= 0)
 END = -2  # the state every rank is left in after a step
 
@@ -64,8 +69,5 @@ def seed_all(seed: int, device: torch.device) -> None:
     """Seed torch (CPU and ``device``), Python's ``random`` and NumPy's global generator."""
     seed_torch(seed, device)
     random.seed(seed)
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-        return
-    numpy.random.seed(seed & 0xFFFFFFFF)
+    if numpy is not None:
+        numpy.random.seed(seed & 0xFFFFFFFF)

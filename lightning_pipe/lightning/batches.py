@@ -25,6 +25,7 @@ are computed, and the comparison after the step waits for that copy only, not fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Tuple
@@ -130,10 +131,14 @@ def _tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
     else:  # index the values themselves: reshape would copy the whole tensor (an expanded mask, channels_last)
         index = torch.arange(0, n, step, device=t.device)[:SAMPLES]
         sample = t[torch.unravel_index(index, t.shape)]
-    sample = sample.to(torch.float64)
-    weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=t.device) / sample.numel()
-    terms = torch.nan_to_num(sample, nan=0.5, posinf=1e300, neginf=-1e300) * weights  # weights <= 1: no overflow
-    return torch.stack([terms.sum(), terms.abs().sum()])
+    sample = torch.nan_to_num(sample.to(torch.float64), nan=0.5, posinf=1e300, neginf=-1e300)
+    return torch.stack([sample, sample.abs()]) @ _weights(sample.numel(), t.device)  # weights <= 1: no overflow
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """Position weights ``1/n, 2/n, ..., 1`` (made once per size and device: the fingerprint runs every step)."""
+    return torch.arange(1, n + 1, dtype=torch.float64, device=device) / n
 
 
 def same(a: Value, b: Value) -> bool:

@@ -72,6 +72,7 @@ class Snapshot:
         module = effects.module
         self.attributes = {name: _fingerprint(value) for name, value in user_attributes(module)}
         self.versions = [(n, p._version) for n, p in effects.watched()] if check else None
+        self.changes: Optional[List[Tuple[str, Any, Any]]] = None  # found once, when the run has ended
 
 
 class StepEffects:
@@ -133,14 +134,21 @@ class StepEffects:
                 "that adds the batch size still sums to it). Count in on_train_batch_end to count batches"
             )
 
-    def _changes(self, snapshot: Snapshot) -> Iterator[Tuple[str, Any, Any]]:
+    def _changes(self, snapshot: Snapshot) -> List[Tuple[str, Any, Any]]:
         """``(name, value, before)`` per attribute the run changed; ``before`` is the object's fingerprint before
-        the run where the run changed the same object in place (a list appended to, a tensor written), else None."""
-        for name, value in user_attributes(self.module):
-            before, now = snapshot.attributes.get(name, _MISSING), _fingerprint(value)
-            if before != now:
-                in_place = isinstance(before, tuple) and isinstance(now, tuple) and before[:2] == now[:2]
-                yield name, value, before if in_place else None
+        the run where the run changed the same object in place (a list appended to, a tensor written), else None.
+
+        Called once the run has ended (by :meth:`after`, :meth:`grown` and :meth:`new_values`, every microbatch),
+        so found once and kept on the snapshot.
+        """
+        if snapshot.changes is None:
+            snapshot.changes = []
+            for name, value in user_attributes(self.module):
+                before, now = snapshot.attributes.get(name, _MISSING), _fingerprint(value)
+                if before != now:
+                    in_place = isinstance(before, tuple) and isinstance(now, tuple) and before[:2] == now[:2]
+                    snapshot.changes.append((name, value, before if in_place else None))
+        return snapshot.changes
 
     def grown(self, snapshot: Snapshot) -> List[str]:
         """The attributes whose own object the run changed in place (a list appended to, a tensor written)."""

@@ -226,7 +226,7 @@ class StaleCopies:
                          for path in sorted(self._watched)}
         self._skipped: Dict[int, nn.Module] = {}  # id -> the watched modules whose computation is skipped
         self._shapes: Dict[tuple, tuple] = {}  # (module id, input, grad mode, autocast) -> output shape, dtype, grad
-        self._aliases: Dict[tuple, tuple] = {}  # (path, name) -> (parameter, its marked alias)
+        self._aliases: Dict[tuple, tuple] = {}  # (path, name) -> (parameter, its marked alias, requires_grad)
 
     @staticmethod
     def find_candidates(module: nn.Module, body_path: str) -> List[str]:
@@ -269,9 +269,10 @@ class StaleCopies:
                 if param is None:
                     continue
                 alias = self._aliases.get((path, name))
-                if alias is None or alias[0] is not param or alias[1].requires_grad != param.requires_grad:  # made
-                    # once per parameter object and grad mode: it shares the data and is a view in the graph
-                    alias = self._aliases[(path, name)] = (param, mark(param, frozenset({path})))
+                # made once per parameter object and grad mode: it shares the data and is a view in the graph.
+                # The grad mode is kept beside it: reading the alias's own goes through Stale.__torch_function__
+                if alias is None or alias[0] is not param or alias[2] != param.requires_grad:
+                    alias = self._aliases[(path, name)] = (param, mark(param, frozenset({path})), param.requires_grad)
                 swapped.append((params, name, param))
                 params[name] = alias[1]
         return swapped
