@@ -94,11 +94,16 @@ class StepEffects:
         """Every parameter, and the buffers registered on the LightningModule itself."""
         return list(self.module.named_parameters(remove_duplicate=False)) + list(self.module._buffers.items())
 
-    def before(self, hook: str) -> Snapshot:
-        return Snapshot(self, check=hook not in self._checked and self.num_microbatches > 1)
+    def before(self, hook: str, whole: bool = True) -> Optional[Snapshot]:
+        """The state before a run of ``hook``; None for a run that stops at the body (``whole=False``) once the
+        hook's side effects were checked: nothing of such a run is noted after that."""
+        check = hook not in self._checked and self.num_microbatches > 1
+        return Snapshot(self, check) if whole or check else None
 
-    def after(self, hook: str, snapshot: Snapshot, last_stage: bool) -> None:
+    def after(self, hook: str, snapshot: Optional[Snapshot], last_stage: bool) -> None:
         """Note what the run changed; refuse or warn about side effects (first run of ``hook`` only)."""
+        if snapshot is None:
+            return
         changed = [name for name, _, _ in self._changes(snapshot)]
         if last_stage:
             self.built.update(changed)

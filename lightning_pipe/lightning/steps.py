@@ -76,7 +76,7 @@ class StepRunner:
         """Run the user's step on microbatch ``i`` with the body in ``mode``; BodyReached passes through."""
         self.pipeline.reseed(i, rng.USER_STEP)
         self.recorder.start_microbatch()
-        snapshot = self.effects.before(self.hook)
+        snapshot = self.effects.before(self.hook, whole=mode != "stop" or self.runs_whole_too)
         counts = metric_counts(self.module, self.body_path) if self.runs_whole_too and mode == "stop" else None
         self.stand_in.begin_step(mode, replacement, checkpoint_layers)
         watch = self.stale.watching() if self.stale is not None and mode == "replace" and self.hook == "training_step" \
