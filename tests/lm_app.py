@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
@@ -709,6 +709,8 @@ def run(spec: dict, root: str) -> dict:
     callbacks = [outputs, checkpoint]
     if spec["case"] == "meta_llama":
         callbacks.append(Materialized(os.path.join(root, f"materialized_{name}_{{rank}}.json")))
+    if "accumulate" in spec:  # {epoch: batches per optimizer step}, e.g. {"1": 2}: 1 in epoch 0, then 2
+        callbacks.append(GradientAccumulationScheduler({int(k): v for k, v in spec["accumulate"].items()}))
     if "trace" in spec:  # [first batch, number of batches]; the files go into the logger's folder
         callbacks.append(lightning_pipe.PipelineTrace(*spec["trace"]))
     plugins, precision = [], spec.get("precision", "64-true")

@@ -126,6 +126,14 @@ def test_replicas_average_inside_the_step_as_ddp_averages(lm_runs):
     assert results["llama_2x2"]["started_early"] is None
 
 
+def test_replicas_average_after_the_step_once_batches_accumulate(lm_runs):
+    """Regression: GradientAccumulationScheduler({1: 2}) makes epoch 0 one batch per optimizer step and
+    later epochs two. The replica average, moved inside the step after the first one, stayed there:
+    the batch set aside before it was added unaveraged, and each replica stepped with its own
+    gradients (weights 29 % off DDP's). Averaged after the step once batches accumulate."""
+    assert_same_training(lm_runs("world4")[0]["sum_2x2_acc"], lm_runs("world2")[0]["sum_ddp2_acc"])
+
+
 def test_the_summary_names_the_layer_list_and_the_ties(lm_runs):
     _, _, output = lm_runs("world3")
     assert "body `layers`" in output and "body `h`" in output and "body `body`" in output

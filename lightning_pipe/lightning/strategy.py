@@ -439,7 +439,11 @@ class PipeStrategy(DDPStrategy):
         measure = self.log_pipeline_metrics and self.pp_size > 1 and module.trainer._logger_connector.should_update_logs
         if measure and executor.recorder is None:  # a PipelineTrace callback may be recording already
             executor.recorder = _OneStep()
-        overlap = self._overlapped is not None and not module.trainer.fit_loop.epoch_loop._should_accumulate()
+        # averaged inside the step only when this batch is the optimizer step's only one: with a batch set aside
+        # before it (accumulate_grad_batches changed since the first step, by GradientAccumulationScheduler), that
+        # batch's gradients would be added after the average (see _start_overlap)
+        overlap = self._overlapped is not None and module.trainer.accumulate_grad_batches == 1 \
+            and not module.trainer.fit_loop.epoch_loop._should_accumulate()
         loaded = batches.fingerprint(args[0]) if self.pp_size > 1 else None
         with self.precision_plugin.train_step_context():
             earlier = gradients.take_grads(module.parameters())
