@@ -23,7 +23,8 @@ Cases:
 - ``denoise``, ``diffusion``, ``mixup``: steps that draw random numbers before the body (the body
   has dropout); they record their draws.
 - ``bad_loop``: a loop that adds a residual around each block call (refused); ``ema``: an EMA teacher
-  updated inside ``training_step`` (refused).
+  updated inside ``training_step`` (refused); ``ema_late``: one of a module after the body, updated
+  from step 2 on (refused then).
 
 A run with ``app`` instead of ``case`` runs ``main(kind, root, out)`` of that test module (its own model and
 Trainer), so the test files with an app of their own share these launches' process start-ups.
@@ -512,6 +513,27 @@ class EmaInStep(NoiseBase):
         return F.mse_loss(self.body(x), target)
 
 
+class EmaFromStep2(NoiseBase):
+    """An EMA of a projection after the body, updated in the step from step 2 on: on the last stage only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import copy
+
+        self.proj = nn.Linear(8, 8)
+        self.teacher = copy.deepcopy(self.proj).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        out = self.proj(self.body(x))
+        with torch.no_grad():
+            if self.global_step >= 2:
+                for t, s in zip(self.teacher.parameters(), self.proj.parameters()):
+                    t.mul_(0.9).add_(s, alpha=0.1)  # belongs in on_train_batch_end under PipeStrategy
+            target = self.teacher(x)
+        return F.mse_loss(out, target)
+
+
 class HFCausalLM(LMBase):
     """A Hugging Face transformers model, built from a config (no download): its own layer loop.
 
@@ -616,7 +638,7 @@ CASES = {
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
-    "ema": (EmaInStep, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
+    "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
     "hf_mistral": (lambda: HFCausalLM("mistral"), "encodings"), "hf_meta": (HFMetaLlama, "tokens"),
     "hf_bart": (lambda: HFCausalLM("bart"), "tokens"),

@@ -10,8 +10,9 @@ and whole on the last one. Two consequences are handled here.
 - **Side effects** that would happen once per microbatch instead of once per batch: a parameter
   changed in place by the step (an EMA teacher updated in ``training_step``), or a buffer
   registered on the LightningModule itself changed in place (a queue, its pointer), raise
-  :class:`~lightning_pipe.errors.SideEffectError`; a number attribute changed by the step (a
-  counter) gets a one-time warning. These checks run on the first step of each kind.
+  :class:`~lightning_pipe.errors.SideEffectError`, checked after the first run of each kind of step
+  and after every whole step (an update that starts late); a number attribute changed by the step
+  (a counter) or a list it appends to gets a one-time warning on the first step of each kind.
 - **Buffers of submodules updated in their forward** (a running count, an EMA codebook as in a
   VQ-VAE) are updated once per microbatch, ``num_microbatches`` times per step instead of once:
   inherent to microbatching. :class:`BufferWatch` compares every buffer of the module this rank
@@ -71,7 +72,8 @@ class Snapshot:
     def __init__(self, effects: "StepEffects", check: bool) -> None:
         module = effects.module
         self.attributes = {name: _fingerprint(value) for name, value in user_attributes(module)}
-        self.versions = [(n, p._version) for n, p in effects.watched()] if check else None
+        self.check = check  # the first run of its hook: refuse in-place updates now, warn about lists and counters
+        self.versions = effects.versions() if check else None
         self.changes: Optional[List[Tuple[str, Any, Any]]] = None  # found once, when the run has ended
 
 
@@ -94,6 +96,33 @@ class StepEffects:
         """Every parameter, and the buffers registered on the LightningModule itself."""
         return list(self.module.named_parameters(remove_duplicate=False)) + list(self.module._buffers.items())
 
+    def versions(self) -> Optional[List[Tuple[torch.Tensor, int]]]:
+        """Before a step: each watched tensor and its version (None with one microbatch: nothing to refuse).
+
+        Taken around every whole step too, not only around the first run of each hook, so that an update
+        that starts in a later step (an EMA from step 1000 on) is refused on that step.
+        """
+        if self.num_microbatches < 2:
+            return None
+        return [(t, t._version) for t in self.module.parameters()] + [
+            (t, t._version) for t in self.module._buffers.values() if t is not None]
+
+    def refuse_updated(self, hook: str, versions: Optional[List[Tuple[torch.Tensor, int]]]) -> None:
+        """After a step: refuse the watched tensors it changed in place (``versions`` from :meth:`versions`)."""
+        if versions is None:
+            return
+        touched = {id(t) for t, version in versions if t._version != version}
+        if not touched:
+            return
+        names = list(dict.fromkeys(name for name, t in self.watched() if id(t) in touched))
+        raise SideEffectError(
+            f"{hook} changed {names} in place. Under PipeStrategy the step runs once per microbatch "
+            f"({self.num_microbatches} per batch): the code before the body call on the first and the last stage, "
+            "the rest on the last stage, so this update happened once per microbatch instead of once per batch. "
+            "Move it to a hook that runs once per batch on every rank, e.g. on_train_batch_end or "
+            "on_before_optimizer_step"
+        )
+
     def before(self, hook: str, whole: bool = True) -> Optional[Snapshot]:
         """The state before a run of ``hook``; None for a run that stops at the body (``whole=False``) once the
         hook's side effects were checked: nothing of such a run is noted after that."""
@@ -107,18 +136,10 @@ class StepEffects:
         changed = [name for name, _, _ in self._changes(snapshot)]
         if last_stage:
             self.built.update(changed)
-        if snapshot.versions is None:
+        if not snapshot.check:
             return
         self._checked.add(hook)
-        now = dict(self.watched())
-        touched = [name for name, version in snapshot.versions if now[name]._version != version]
-        if touched:
-            raise SideEffectError(
-                f"{hook} changed {touched} in place. Under PipeStrategy the code before the body call runs once per "
-                f"microbatch ({self.num_microbatches} per batch) on the first and the last stage, so this update would "
-                "happen once per microbatch instead of once per batch. Move it to a hook that runs once per batch on "
-                "every rank, e.g. on_train_batch_end or on_before_optimizer_step"
-            )
+        self.refuse_updated(hook, snapshot.versions)  # before the rest of the first step, which may fail otherwise
         lists = [n for n in self.grown(snapshot) if isinstance(getattr(self.module, n), list) and n not in self._warned]
         if lists:
             self._warned.update(lists)

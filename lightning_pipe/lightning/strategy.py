@@ -454,6 +454,7 @@ class PipeStrategy(DDPStrategy):
             buffers = self._buffer_watch.before()
             # the modules used are learned from the first step; a global hook or mode would slow every later call
             calls = release.uses_recorded(module, self.split.path) if self._ties is None else nullcontext(set())
+            versions = self._effects.versions()
             with self._recorder.recording(), calls as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
@@ -461,6 +462,7 @@ class PipeStrategy(DDPStrategy):
                     loss_scale=scaling.loss_scale(self.precision_plugin, self.root_device)
                     / module.trainer.accumulate_grad_batches, sync_replicas=overlap,
                 )
+            self._effects.refuse_updated("training_step", versions)
             self._buffer_watch.after(buffers, len(self._pipeline.last_sizes))
             if self.deferred_batch_norm:
                 commit_deferred_batch_norm(module)
@@ -618,9 +620,11 @@ class PipeStrategy(DDPStrategy):
         self._refresh_stale_copies(training=False)
         loaded = batches.fingerprint(args[0])
         posted = self._post_results()
+        versions = self._effects.versions()
         with context:
             outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.is_first_stage,
                                                      self.is_last_stage)
+        self._effects.refuse_updated(hook, versions)
         _, extras, _ = self._share_results(summary, posted, hook, loaded)
         return extras.get("outputs", outputs)  # the step's merged output on every rank (predictions included)
 
