@@ -44,15 +44,31 @@ def scale_grads(grads: Mapping[nn.Parameter, Optional[torch.Tensor]], factor: fl
 
 
 def average(parameters: Iterable[nn.Parameter], group, size: int) -> None:
-    """Average the gradients over a data-parallel group, in one bucket."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    """Average the gradients over a data-parallel group, in one bucket.
+
+    Every replica passes the same parameters in the same order; those that take gradients (not
+    frozen, not released to the meta device) are averaged, with the same layout on every replica
+    whatever each one's step used. A parameter without a gradient on some replicas counts as zeros
+    there (as under DDP); one without a gradient on every replica keeps none, as on one process over
+    the whole batch (the optimizer skips it). A flag per parameter, in the same all-reduce, tells
+    the two apart.
+    """
+    params = [p for p in parameters if p.requires_grad and not p.is_meta]
+    if not params:
         return
-    flat = _flatten(grads)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flags = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
+    flat = _flatten(grads + [flags])
     dist.all_reduce(flat, group=group)
     flat /= size
-    for g, synced in zip(grads, _unflatten(flat, grads)):
-        g.copy_(synced)
+    used = flat[-len(params):].tolist()
+    for p, synced, anywhere in zip(params, _unflatten(flat[:-len(params)], grads), used):
+        if not anywhere:
+            continue  # no replica's step used it
+        if p.grad is None:
+            p.grad = synced.clone()
+        else:
+            p.grad.copy_(synced)
 
 
 def broadcast_module(module: nn.Module, device: torch.device, bucket_bytes: int = 16 << 20) -> None:

@@ -10,7 +10,8 @@ does. Buckets start strictly in order, so every replica issues the same collecti
 order. When the step ends, buckets not started yet (a parameter unused in the last microbatch
 never fires) start, every bucket is waited for and divided by the number of replicas, and the
 averages are copied back into ``.grad`` (a parameter without a gradient gets the average of the
-others', zeros included, as under DDP).
+others', zeros included, as under DDP; one without a gradient on every replica keeps none, as on
+one process over the whole batch: a flag per parameter rides in the bucket).
 
 Exactness: the all-reduce sums the same values as an all-reduce after the step would, so the
 result equals that of :func:`lightning_pipe.gradients.average` after the step. Gradients
@@ -35,18 +36,20 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
 class _Bucket:
-    """Parameters all-reduced together through one flat buffer."""
+    """Parameters all-reduced together through one flat buffer: their gradients, then a flag per parameter
+    (1 where this replica has a gradient), so that one no replica's step used keeps no gradient."""
 
     __slots__ = ("params", "flat", "final", "work")
 
     def __init__(self, params: List[nn.Parameter]) -> None:
         self.params = params
-        self.flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        size = sum(p.numel() for p in params) + len(params)
+        self.flat = torch.empty(size, dtype=params[0].dtype, device=params[0].device)
         self.final = 0  # parameters whose gradient is final this step
         self.work = None
 
     def launch(self, group) -> None:
-        offset = 0
+        offset, flags = 0, self.flat[-len(self.params):]
         for p in self.params:
             n = p.numel()
             if p.grad is None:
@@ -54,22 +57,26 @@ class _Bucket:
             else:
                 self.flat[offset : offset + n].copy_(p.grad.reshape(-1))
             offset += n
+        flags.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=flags.dtype))
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def settle(self, size: int) -> None:
-        """Wait for the sum and copy the average back into ``.grad``."""
+        """Wait for the sum and copy the average back into ``.grad`` (of the parameters some replica used)."""
         self.work.wait()
         self.work = None
         self.flat.div_(size)
+        used = self.flat[-len(self.params):].tolist()
         offset = 0
-        for p in self.params:
+        for p, anywhere in zip(self.params, used):
             n = p.numel()
             average = self.flat[offset : offset + n].view_as(p)
+            offset += n
+            if not anywhere:
+                continue
             if p.grad is None:
                 p.grad = average.clone()
             else:
                 p.grad.copy_(average)
-            offset += n
 
 
 class _Plan:

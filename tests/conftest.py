@@ -55,6 +55,7 @@ LM_LAUNCHES = {
         _spec("fp16_p2", "fp16", "pipe", 2, fp16_scale=256.0), _spec("fp16_ddp2", "fp16", "ddp", 2, fp16_scale=256.0),
         _spec("sum_ddp2", "sum", "ddp", 2, epochs=3),
         _spec("sum_ddp2_acc", "sum", "ddp", 2, epochs=3, accumulate={"1": 2}),
+        _spec("experts_ddp2", "experts", "ddp_find_unused_parameters_true", 2, epochs=3),
         dict(name="test_weight_averaging_ddp2", app="test_weight_averaging", strategy="ddp2", devices=2),
         dict(name="test_weight_averaging_1x2", app="test_weight_averaging", strategy="pipe1x2", devices=2),
         dict(name="test_weight_averaging_pipe_sharded", app="test_weight_averaging", strategy="pipe_sharded",
@@ -87,6 +88,7 @@ LM_LAUNCHES = {
         _spec("sum_2x2", "sum", "pipe", 4, pipe_size=2, schedule="zb_h1", epochs=3),
         # GradientAccumulationScheduler: one batch per optimizer step in epoch 0, two from epoch 1
         _spec("sum_2x2_acc", "sum", "pipe", 4, pipe_size=2, schedule="zb_h1", epochs=3, accumulate={"1": 2}),
+        _spec("experts_2x2", "experts", "pipe", 4, pipe_size=2, epochs=3),
         _spec("llama_2x2v2", "llama", "pipe", 4, pipe_size=2, schedule="interleaved_1f1b", virtual_stages=2,
               checkpoint="always"),
         _spec("llama_2x2zbv", "llama", "pipe", 4, pipe_size=2, schedule="zbv", checkpoint="except_last"),

@@ -315,6 +315,31 @@ class SumRegression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.002)
 
 
+class Experts(SumRegression):
+    """Two heads after the body, each sample routed to one by its target (a mixture of experts in
+    miniature): a head no sample of a batch routes to is not called, so replicas and steps use
+    different heads, and some steps one of them on no replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(1, 1), nn.Linear(1, 1)])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out, route = self.body(x), (y[:, 0] > 1.2).long()
+        pred = torch.zeros_like(y)
+        for k, expert in enumerate(self.experts):
+            chosen = route == k
+            if chosen.any():
+                pred = pred.index_put((chosen,), expert(out[chosen]))
+        loss = F.mse_loss(pred, y, reduction="sum")
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):  # AdamW steps a zero gradient (weight decay, momentum); it skips a missing one
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
 class NoiseBase(pl.LightningModule):
     """A body with dropout; the step draws random numbers before the body and records them."""
 
@@ -636,7 +661,7 @@ CASES = {
     "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
-    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "denoise": (Denoise, "noise"),
+    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
@@ -722,7 +747,7 @@ def run(spec: dict, root: str) -> dict:
             pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
             schedule=spec.get("schedule", "1f1b"), virtual_stages=spec.get("virtual_stages"),
             checkpoint=spec.get("checkpoint", "never"),
-            loss_reduction="sum" if spec["case"] == "sum" else "mean", body=spec.get("body"), balance=spec.get("balance"),
+            loss_reduction="sum" if spec["case"] in ("sum", "experts") else "mean", body=spec.get("body"), balance=spec.get("balance"),
             state_dict_type=spec.get("state_dict_type"),
         )
     else:

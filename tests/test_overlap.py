@@ -13,9 +13,11 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lightning_pipe import Pipeline, make_subgroups, partition
 from lightning_pipe.gradients import average
+from lightning_pipe.replicas import _Bucket
 from lightning_pipe.schedule import ALL_SCHEDULES
 from tests import distributed
 from tests.test_schedules_engine import MODELS, _batch
@@ -72,3 +74,32 @@ def test_overlapped_replica_sync_equals_the_average_after_the_step():
     for rank, counts in enumerate(early):
         for case, count in zip(cases, counts):
             assert count > 0, f"rank {rank}, {case}: no bucket started before the step's end"
+
+
+def _used_by_some_replicas(rank: int, world: int) -> list:
+    results = []
+    for path in ("after the step", "bucket"):
+        everywhere, on_rank_0, nowhere = (nn.Parameter(torch.zeros(n)) for n in (3, 2, 2))
+        frozen = nn.Parameter(torch.zeros(2), requires_grad=False)
+        everywhere.grad = torch.full((3,), rank + 1.0)
+        if rank == 0:
+            on_rank_0.grad = torch.full((2,), 4.0)  # an expert only replica 0's tokens reached
+        params = [everywhere, on_rank_0, nowhere, frozen]
+        if path == "after the step":
+            average(params, None, world)
+        else:
+            bucket = _Bucket([p for p in params if p.requires_grad])
+            bucket.launch(None)
+            bucket.settle(world)
+        results.append([None if p.grad is None else p.grad.tolist() for p in params])
+    return results
+
+
+def test_a_parameter_some_replicas_did_not_use_is_averaged_with_zeros_and_one_none_used_keeps_no_gradient():
+    """Regression: the average after the step flattened only this replica's gradients, so replicas whose steps
+    used different modules (a mixture of experts) all-reduced buffers of different layouts (gloo aborted the
+    process; NCCL may hang or mix values); the bucket inside the step gave a parameter no replica used a zero
+    gradient, which AdamW still steps (weight decay, momentum) where one process over the whole batch skips it."""
+    for rank, per_path in enumerate(distributed.run(_used_by_some_replicas, 2, timeout=120)):
+        for path, grads in zip(("after the step", "bucket"), per_path):
+            assert grads == [[1.5] * 3, [2.0] * 2, None, None], (rank, path, grads)

@@ -542,14 +542,19 @@ class PipeStrategy(DDPStrategy):
         (with accumulation, batches set aside around Lightning's ``zero_grad`` would miss the
         average) and a loss that needs no division by a count known only at the step's end
         (``num_items``, one count per replica). The parameters averaged are those the first step
-        trained on this rank; any other that gets a gradient later is averaged after the step.
-        Several stages per rank also average after the step (their parameters' last backwards
-        are not told apart here).
+        trained on this stage in any replica (the same list on every replica: a module only some
+        replicas' data used, an expert, would otherwise put the buckets out of step); any other
+        that gets a gradient later is averaged after the step. Several stages per rank also average
+        after the step (their parameters' last backwards are not told apart here).
         """
         if self.dp_size == 1 or self.lightning_module.trainer.accumulate_grad_batches != 1 or normalizer is not None \
                 or len(self._pipeline.stages) != 1:
             return
-        trained = [p for p, g in self._pending_grads.items() if g is not None]
+        candidates = [p for p in self._pending_grads if p.requires_grad and not p.is_meta]
+        used = torch.tensor([self._pending_grads[p] is not None for p in candidates], dtype=torch.int32,
+                            device=self.root_device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.dp_group)
+        trained = [p for p, anywhere in zip(candidates, used.tolist()) if anywhere]
         self._pipeline.sync_replicas_of(self.dp_group, trained)
         self._overlapped = {id(p) for p in trained}
 
