@@ -56,6 +56,7 @@ LM_LAUNCHES = {
         _spec("sum_ddp2", "sum", "ddp", 2, epochs=3),
         _spec("sum_ddp2_acc", "sum", "ddp", 2, epochs=3, accumulate={"1": 2}),
         _spec("experts_ddp2", "experts", "ddp_find_unused_parameters_true", 2, epochs=3),
+        _spec("experts_before_ddp2", "experts_before", "ddp_find_unused_parameters_true", 2, epochs=3),
         dict(name="test_weight_averaging_ddp2", app="test_weight_averaging", strategy="ddp2", devices=2),
         dict(name="test_weight_averaging_1x2", app="test_weight_averaging", strategy="pipe1x2", devices=2),
         dict(name="test_weight_averaging_pipe_sharded", app="test_weight_averaging", strategy="pipe_sharded",
@@ -89,6 +90,7 @@ LM_LAUNCHES = {
         # GradientAccumulationScheduler: one batch per optimizer step in epoch 0, two from epoch 1
         _spec("sum_2x2_acc", "sum", "pipe", 4, pipe_size=2, schedule="zb_h1", epochs=3, accumulate={"1": 2}),
         _spec("experts_2x2", "experts", "pipe", 4, pipe_size=2, epochs=3),
+        _spec("experts_before_2x2", "experts_before", "pipe", 4, pipe_size=2, epochs=3),
         _spec("llama_2x2v2", "llama", "pipe", 4, pipe_size=2, schedule="interleaved_1f1b", virtual_stages=2,
               checkpoint="always"),
         _spec("llama_2x2zbv", "llama", "pipe", 4, pipe_size=2, schedule="zbv", checkpoint="except_last"),

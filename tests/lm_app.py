@@ -316,22 +316,29 @@ class SumRegression(pl.LightningModule):
 
 
 class Experts(SumRegression):
-    """Two heads after the body, each sample routed to one by its target (a mixture of experts in
-    miniature): a head no sample of a batch routes to is not called, so replicas and steps use
-    different heads, and some steps one of them on no replica."""
+    """Two experts, each sample routed to one by its target (a mixture of experts in miniature), after
+    the body or before it: an expert no sample of a batch routes to is not called, so replicas and
+    steps use different experts, some steps one of them on no replica, and the first step's replicas
+    may call different ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, before: bool = False) -> None:
         super().__init__()
-        self.experts = nn.ModuleList([nn.Linear(1, 1), nn.Linear(1, 1)])
+        width = 4 if before else 1
+        self.before = before
+        self.experts = nn.ModuleList([nn.Linear(width, width), nn.Linear(width, width)])
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        out, route = self.body(x), (y[:, 0] > 1.2).long()
-        pred = torch.zeros_like(y)
+    def _routed(self, h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(h)
         for k, expert in enumerate(self.experts):
             chosen = route == k
             if chosen.any():
-                pred = pred.index_put((chosen,), expert(out[chosen]))
+                out = out.index_put((chosen,), expert(h[chosen]))
+        return out
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        route = (y[:, 0] > 1.2).long()
+        pred = self.body(self._routed(x, route)) if self.before else self._routed(self.body(x), route)
         loss = F.mse_loss(pred, y, reduction="sum")
         self.log("train_loss", loss)
         return loss
@@ -661,7 +668,7 @@ CASES = {
     "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
-    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "denoise": (Denoise, "noise"),
+    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
@@ -747,7 +754,7 @@ def run(spec: dict, root: str) -> dict:
             pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
             schedule=spec.get("schedule", "1f1b"), virtual_stages=spec.get("virtual_stages"),
             checkpoint=spec.get("checkpoint", "never"),
-            loss_reduction="sum" if spec["case"] in ("sum", "experts") else "mean", body=spec.get("body"), balance=spec.get("balance"),
+            loss_reduction="sum" if spec["case"] in ("sum", "experts", "experts_before") else "mean", body=spec.get("body"), balance=spec.get("balance"),
             state_dict_type=spec.get("state_dict_type"),
         )
     else:

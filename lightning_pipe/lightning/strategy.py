@@ -20,7 +20,7 @@ import shutil
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Set, Union
 
 import torch
 import torch.distributed as dist
@@ -517,8 +517,7 @@ class PipeStrategy(DDPStrategy):
         noted = sorted(self._stale.noted) if self._stale is not None else []
         if self._stale is not None:  # its parameters are marked aliases there: the reads release.uses_recorded misses
             self._called |= {id(module.get_submodule(path)) for path in self._stale.read}
-        per_stage: List[Any] = [None] * self.pp_size
-        dist.all_gather_object(per_stage, (used, split.called_names(self._called), noted), group=self.pp_group)
+        per_stage = self._gather_per_stage((used, split.called_names(self._called), noted))
         shared = split.learn_usage([u for u, _, _ in per_stage], [c for _, c, _ in per_stage])
         self._ties = TiedGradients(split.ties + shared, module, self.stage_index, self.pp_group)
         tied = sorted({tie.names[0] for tie in self._ties.ties})
@@ -531,8 +530,34 @@ class PipeStrategy(DDPStrategy):
                 names = [path or "the LightningModule's own parameters" for path in synced]
                 rank_zero_info(f"PipeStrategy: the last stage uses values of {names} beyond the body's input; its "
                                "copies there are refreshed from the first stage every step")
-        split.release_unused(self._called, self._bare_optimizers())
+        split.release_unused(self._called | self._used_by_replicas(per_stage[self.stage_index]), self._bare_optimizers())
         averaging.follow_releases(module.trainer.callbacks, module)
+
+    def _used_by_replicas(self, names: tuple) -> Set[int]:
+        """The modules outside the body that this stage's replicas called or trained in the first step (``names``:
+        this stage's part of :meth:`_gather_per_stage`): kept on every replica alike."""
+        split = self.split
+        trained, called = set(names[0]), set(names[1])
+        return {id(m) for path, m in release.named_outside_body(self.lightning_module, split.path)
+                if path in called or any(split.canonical(f"{path}.{n}" if path else n) in trained for n in m._parameters)}
+
+    def _gather_per_stage(self, names: tuple) -> List[tuple]:
+        """``names`` (lists of names) of every pipeline rank, each the union over the replicas of that stage.
+
+        What the first step used is learned from it; where the data decides what runs (a module some samples
+        are routed to), the replicas' first steps differ, and each would keep or release other modules.
+        """
+        if self.dp_size == 1:
+            per_stage: List[Any] = [None] * self.pp_size
+            dist.all_gather_object(per_stage, names, group=self.pp_group)
+            return per_stage
+        everyone: List[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, (self.stage_index, names))
+        merged: List[Any] = [tuple(set() for _ in names) for _ in range(self.pp_size)]
+        for stage, theirs in everyone:
+            for union, part in zip(merged[stage], theirs):
+                union.update(part)
+        return [tuple(sorted(union) for union in parts) for parts in merged]
 
     def _start_overlap(self, normalizer: Optional[float]) -> None:
         """After the first step: average over the replicas inside later steps, overlapped with their
