@@ -66,7 +66,7 @@ def average(parameters: Iterable[nn.Parameter], group, size: int) -> None:
         if not anywhere:
             continue  # no replica's step used it
         if p.grad is None:
-            p.grad = synced.clone()
+            p.grad = synced.to(p.dtype, copy=True)  # the flat buffer has the widest dtype of them all
         else:
             p.grad.copy_(synced)
 

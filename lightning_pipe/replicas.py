@@ -57,7 +57,9 @@ class _Bucket:
             else:
                 self.flat[offset : offset + n].copy_(p.grad.reshape(-1))
             offset += n
-        flags.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=flags.dtype))
+        # from pinned memory without blocking: this runs in the backward's hooks, which must not wait for the GPU
+        present = torch.tensor([p.grad is not None for p in self.params], dtype=flags.dtype, pin_memory=flags.is_cuda)
+        flags.copy_(present, non_blocking=True)
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def settle(self, size: int) -> None:

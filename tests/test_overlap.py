@@ -86,7 +86,11 @@ def _used_by_some_replicas(rank: int, world: int) -> list:
             on_rank_0.grad = torch.full((2,), 4.0)  # an expert only replica 0's tokens reached
         params = [everywhere, on_rank_0, nowhere, frozen]
         if path == "after the step":
-            average(params, None, world)
+            half = nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))  # one flat buffer of mixed dtypes: float32
+            if rank == 0:
+                half.grad = torch.full((2,), 4.0, dtype=torch.bfloat16)
+            average(params + [half], None, world)
+            assert half.grad.dtype == torch.bfloat16 and half.grad.tolist() == [2.0] * 2
         else:
             bucket = _Bucket([p for p in params if p.requires_grad])
             bucket.launch(None)

@@ -165,6 +165,9 @@ def test_step_effects_tell_state_built_in_the_step_from_side_effects():
     module.queue[0] = 1.0  # a buffer of the module itself, changed by the step
     with pytest.raises(Exception, match=r"changed \['queue'\] in place"):
         effects.refuse_updated("training_step", versions)
+    with torch.inference_mode():  # a validation step assigned a new value: Lightning evaluates in inference mode
+        module.queue = torch.zeros(3)
+    effects.refuse_updated("validation_step", effects.versions())  # an inference tensor has no version to read
 
 
 @pytest.mark.parametrize("update, refused", [

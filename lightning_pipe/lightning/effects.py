@@ -104,8 +104,8 @@ class StepEffects:
         """
         if self.num_microbatches < 2:
             return None
-        return [(t, t._version) for t in self.module.parameters()] + [
-            (t, t._version) for t in self.module._buffers.values() if t is not None]
+        return [(t, t._version) for t in self.module.parameters()] + [  # an inference tensor has no version
+            (t, t._version) for t in self.module._buffers.values() if t is not None and not t.is_inference()]
 
     def refuse_updated(self, hook: str, versions: Optional[List[Tuple[torch.Tensor, int]]]) -> None:
         """After a step: refuse the watched tensors it changed in place (``versions`` from :meth:`versions`)."""

@@ -99,6 +99,7 @@ class SplitModel:
         self.users: Dict[str, Set[int]] = {}  # outside the body: the ranks that train each parameter (learned)
         self.module_owner: Dict[str, int] = {}  # outside the body: the rank owning each module's buffers (learned)
         self.hooks: List[object] = []  # handles of the hooks set after the first step (see release_unused)
+        self.trained_elsewhere: Set[int] = set()  # ids of parameters kept here that only other ranks train
         self.module = module
         self.stand_in = self._stand_in(channel)
         self.install(whole=False)
@@ -166,6 +167,7 @@ class SplitModel:
         being unfrozen (a forward pre-hook, removed once all of the module's watched parameters are hooked).
         """
         tied = {name for tie in self.ties for name in tie.names}
+        self.trained_elsewhere = set()
         for path, m in outside:
             watched = []
             for n, p in m._parameters.items():
@@ -176,6 +178,7 @@ class SplitModel:
                     watched.append((name, p))
             if not watched:
                 continue
+            self.trained_elsewhere.update(id(p) for _, p in watched)
             pending = [(name, p) for name, p in watched if not self._hook_gradient(name, p)]
             if pending:
                 self._hook_when_trainable(m, pending)

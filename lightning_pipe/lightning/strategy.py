@@ -633,7 +633,10 @@ class PipeStrategy(DDPStrategy):
         self._pending_grads = {}
         if self.dp_size > 1 and not module.trainer.fit_loop.epoch_loop._should_accumulate():
             synced = self._overlapped if self._synced_in_step else set()  # averaged inside the step already
-            gradients.average([p for p in module.parameters() if id(p) not in synced], self.dp_group, self.dp_size)
+            # not those kept here that only other stages train (the last stage's copy of an embedding): never a
+            # gradient here, and all-reduced anyway since every replica averages the same parameters
+            skipped = synced | self.split.trained_elsewhere
+            gradients.average([p for p in module.parameters() if id(p) not in skipped], self.dp_group, self.dp_size)
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
