@@ -325,8 +325,8 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
     num_microbatches = min(chunks, batch_size)
     leaves, spec = tree_flatten(open_containers(inputs, batch_size),
                                 is_leaf=lambda x: isinstance(x, (NoChunk, _Samples)) or is_sample_list(x, batch_size))
-    bounds = list(zip(itertools.accumulate(microbatch_sizes(batch_size, num_microbatches)),
-                      microbatch_sizes(batch_size, num_microbatches)))
+    sizes = microbatch_sizes(batch_size, num_microbatches)
+    bounds = list(zip(itertools.accumulate(sizes), sizes))
     columns = []
     for leaf in leaves:
         if isinstance(leaf, NoChunk):

@@ -159,7 +159,7 @@ def test_step_effects_tell_state_built_in_the_step_from_side_effects():
     module.norm(torch.randn(4, 2))  # a submodule's own statistics: allowed
     effects.after("validation_step", snapshot, last_stage=True)
     assert effects.built == {"scores"} and effects.shared_state() == {"scores": [1]}
-    versions = effects.versions()
+    versions = effects.versions(module.parameters())
     module.norm(torch.randn(4, 2))
     effects.refuse_updated("training_step", versions)
     module.queue[0] = 1.0  # a buffer of the module itself, changed by the step
@@ -167,7 +167,7 @@ def test_step_effects_tell_state_built_in_the_step_from_side_effects():
         effects.refuse_updated("training_step", versions)
     with torch.inference_mode():  # a validation step assigned a new value: Lightning evaluates in inference mode
         module.queue = torch.zeros(3)
-    effects.refuse_updated("validation_step", effects.versions())  # an inference tensor has no version to read
+    effects.refuse_updated("validation_step", effects.versions(module.parameters()))  # an inference tensor: no version
 
 
 @pytest.mark.parametrize("update, refused", [

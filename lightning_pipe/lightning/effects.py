@@ -26,7 +26,7 @@ and whole on the last one. Two consequences are handled here.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import warnings
 
@@ -72,8 +72,8 @@ class Snapshot:
     def __init__(self, effects: "StepEffects", check: bool) -> None:
         module = effects.module
         self.attributes = {name: _fingerprint(value) for name, value in user_attributes(module)}
-        self.check = check  # the first run of its hook: refuse in-place updates now, warn about lists and counters
-        self.versions = effects.versions() if check else None
+        # the first run of its hook (and several microbatches): refuse in-place updates, warn about lists and counters
+        self.versions = effects.versions(module.parameters()) if check else None
         self.changes: Optional[List[Tuple[str, Any, Any]]] = None  # found once, when the run has ended
 
 
@@ -96,15 +96,16 @@ class StepEffects:
         """Every parameter, and the buffers registered on the LightningModule itself."""
         return list(self.module.named_parameters(remove_duplicate=False)) + list(self.module._buffers.items())
 
-    def versions(self) -> Optional[List[Tuple[torch.Tensor, int]]]:
-        """Before a step: each watched tensor and its version (None with one microbatch: nothing to refuse).
+    def versions(self, parameters: Iterable[torch.Tensor]) -> Optional[List[Tuple[torch.Tensor, int]]]:
+        """Before a step: each of the module's ``parameters`` (all of them: the caller walks them once a step
+        anyway), each of its own buffers, and their versions (None with one microbatch: nothing to refuse).
 
         Taken around every whole step too, not only around the first run of each hook, so that an update
         that starts in a later step (an EMA from step 1000 on) is refused on that step.
         """
         if self.num_microbatches < 2:
             return None
-        return [(t, t._version) for t in self.module.parameters()] + [  # an inference tensor has no version
+        return [(t, t._version) for t in parameters] + [  # an inference tensor has no version
             (t, t._version) for t in self.module._buffers.values() if t is not None and not t.is_inference()]
 
     def refuse_updated(self, hook: str, versions: Optional[List[Tuple[torch.Tensor, int]]]) -> None:
@@ -136,7 +137,7 @@ class StepEffects:
         changed = [name for name, _, _ in self._changes(snapshot)]
         if last_stage:
             self.built.update(changed)
-        if not snapshot.check:
+        if snapshot.versions is None:
             return
         self._checked.add(hook)
         self.refuse_updated(hook, snapshot.versions)  # before the rest of the first step, which may fail otherwise

@@ -258,6 +258,13 @@ class SplitModel:
         return self.aliases.get(name, name)
 
     # -- ownership -------------------------------------------------------------------------------
+    def modules_used(self, trained: Sequence[str], called: Sequence[str]) -> Set[int]:
+        """The ids of the modules outside the body named in ``called`` (:meth:`called_names`) or holding a parameter
+        named in ``trained`` (canonical names): what ranks other than this one used, in :meth:`release_unused`."""
+        trained, called = set(trained), set(called)
+        return {id(m) for path, m in release.named_outside_body(self.module, self.path)
+                if path in called or any(self.canonical(f"{path}.{n}" if path else n) in trained for n in m._parameters)}
+
     def called_names(self, called: Set[int]) -> List[str]:
         """The paths of the modules outside the body whose forward ran (ids in ``called``; for :meth:`learn_usage`)."""
         return [path for path, m in release.named_outside_body(self.module, self.path) if id(m) in called]

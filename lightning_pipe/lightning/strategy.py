@@ -20,7 +20,7 @@ import shutil
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Set, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -446,7 +446,8 @@ class PipeStrategy(DDPStrategy):
             and not module.trainer.fit_loop.epoch_loop._should_accumulate()
         loaded = batches.fingerprint(args[0]) if self.pp_size > 1 else None
         with self.precision_plugin.train_step_context():
-            earlier = gradients.take_grads(module.parameters())
+            parameters = list(module.parameters())
+            earlier = gradients.take_grads(parameters)
             if self._zeroed_after_step(module.trainer):
                 earlier = {}  # stale: Lightning zeroes them after this step; freed now, before new ones exist
             self._refresh_stale_copies(training=True)
@@ -454,7 +455,7 @@ class PipeStrategy(DDPStrategy):
             buffers = self._buffer_watch.before()
             # the modules used are learned from the first step; a global hook or mode would slow every later call
             calls = release.uses_recorded(module, self.split.path) if self._ties is None else nullcontext(set())
-            versions = self._effects.versions()
+            versions = self._effects.versions(parameters)
             with self._recorder.recording(), calls as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
@@ -530,16 +531,9 @@ class PipeStrategy(DDPStrategy):
                 names = [path or "the LightningModule's own parameters" for path in synced]
                 rank_zero_info(f"PipeStrategy: the last stage uses values of {names} beyond the body's input; its "
                                "copies there are refreshed from the first stage every step")
-        split.release_unused(self._called | self._used_by_replicas(per_stage[self.stage_index]), self._bare_optimizers())
+        trained, called, _ = per_stage[self.stage_index]  # by any replica of this stage: kept on every replica alike
+        split.release_unused(self._called | split.modules_used(trained, called), self._bare_optimizers())
         averaging.follow_releases(module.trainer.callbacks, module)
-
-    def _used_by_replicas(self, names: tuple) -> Set[int]:
-        """The modules outside the body that this stage's replicas called or trained in the first step (``names``:
-        this stage's part of :meth:`_gather_per_stage`): kept on every replica alike."""
-        split = self.split
-        trained, called = set(names[0]), set(names[1])
-        return {id(m) for path, m in release.named_outside_body(self.lightning_module, split.path)
-                if path in called or any(split.canonical(f"{path}.{n}" if path else n) in trained for n in m._parameters)}
 
     def _gather_per_stage(self, names: tuple) -> List[tuple]:
         """``names`` (lists of names) of every pipeline rank, each the union over the replicas of that stage.
@@ -547,10 +541,6 @@ class PipeStrategy(DDPStrategy):
         What the first step used is learned from it; where the data decides what runs (a module some samples
         are routed to), the replicas' first steps differ, and each would keep or release other modules.
         """
-        if self.dp_size == 1:
-            per_stage: List[Any] = [None] * self.pp_size
-            dist.all_gather_object(per_stage, names, group=self.pp_group)
-            return per_stage
         everyone: List[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, (self.stage_index, names))
         merged: List[Any] = [tuple(set() for _ in names) for _ in range(self.pp_size)]
@@ -653,7 +643,7 @@ class PipeStrategy(DDPStrategy):
         self._refresh_stale_copies(training=False)
         loaded = batches.fingerprint(args[0])
         posted = self._post_results()
-        versions = self._effects.versions()
+        versions = self._effects.versions(self.lightning_module.parameters())
         with context:
             outputs, summary = self._runner.evaluate(hook, args[0], args[1:], self._pipeline, self.is_first_stage,
                                                      self.is_last_stage)
