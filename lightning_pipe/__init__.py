@@ -27,7 +27,7 @@ from lightning_pipe.partition import (
     partition,
 )
 from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.pipelines import GPipe, Interleaved1F1B, PipeDream, ZeroBubbleH1, ZeroBubbleV
+from lightning_pipe.pipelines import GPipe, Interleaved1F1B, PipeDream, ZeroBubbleH1, ZeroBubbleH2, ZeroBubbleV
 from lightning_pipe.sharded import (
     CheckpointError,
     CheckpointMismatchError,
@@ -37,7 +37,7 @@ from lightning_pipe.sharded import (
 )
 from lightning_pipe.lightning.strategy import PipeStrategy
 from lightning_pipe.lightning.tracing import PipelineTrace
-from lightning_pipe.topology import make_subgroups  # registers "pipe", "pipe_1f1b", "pipe_gpipe", "pipe_zb_h1"
+from lightning_pipe.topology import make_subgroups  # registers the "pipe..." strategy names
 
 __version__ = "0.1.0"
 
@@ -66,6 +66,7 @@ __all__ = [
     "SideEffectError",
     "StaleValueError",
     "ZeroBubbleH1",
+    "ZeroBubbleH2",
     "ZeroBubbleV",
     "balance_by_cost",
     "balance_by_flops",

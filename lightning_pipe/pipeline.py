@@ -94,7 +94,7 @@ class Pipeline(Tracing):
         batch_dim: the dimension along which inputs and labels are split.
         checkpoint: ``"always"``, ``"except_last"``, ``"never"`` (or a bool).
         schedule: a name in :data:`lightning_pipe.schedule.ALL_SCHEDULES`: ``"gpipe"``,
-            ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
+            ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``, ``"zb_h2"`` or ``"zbv"``.
         broadcast_outputs: whether :meth:`forward` returns the outputs on every rank.
         timeout: how long to wait for one message before failing.
         device: where received tensors go; default: the module's device (NCCL: the current GPU).
@@ -172,7 +172,7 @@ class Pipeline(Tracing):
             raise ConfigurationError(
                 f"schedule {self.schedule!r} runs {self.virtual_stages} stages per rank, which the NCCL transport does "
                 "not support yet (its grouped sends and receives could wait on each other across two stages); "
-                "use a gloo process group, or one stage per rank: 'gpipe', '1f1b' or 'zb_h1'"
+                "use a gloo process group, or one stage per rank: 'gpipe', '1f1b', 'zb_h1' or 'zb_h2'"
             )
         self.ranks = dist.get_process_group_ranks(self.group)
         self.pp_rank = dist.get_rank(self.group)

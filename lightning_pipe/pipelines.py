@@ -1,8 +1,9 @@
 """The named pipelines of the plain API: one class per schedule, as in haiscale.
 
-Each is :class:`~lightning_pipe.pipeline.Pipeline` with its schedule fixed. ``GPipe`` and
-``PipeDream`` (1F1B) take this rank's stage; ``Interleaved1F1B`` and ``ZeroBubbleV`` take the list
-of this rank's stages that :func:`~lightning_pipe.partition` returns with ``num_model_chunks``.
+Each is :class:`~lightning_pipe.pipeline.Pipeline` with its schedule fixed. ``GPipe``,
+``PipeDream`` (1F1B), ``ZeroBubbleH1`` and ``ZeroBubbleH2`` take this rank's stage;
+``Interleaved1F1B`` and ``ZeroBubbleV`` take the list of this rank's stages that
+:func:`~lightning_pipe.partition` returns with ``num_model_chunks``.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class ZeroBubbleH1(Pipeline):
     activation memory on the busiest rank (rank 0; every rank holds up to ``p`` microbatches).
     """
 
+    schedule_name = "zb_h1"
+
     def __init__(
         self,
         module: nn.Module,
@@ -123,10 +126,21 @@ class ZeroBubbleH1(Pipeline):
         count_activations: bool = False,
     ) -> None:
         super().__init__(
-            module, chunks, process_group, batch_dim, checkpoint, "zb_h1", broadcast_outputs, timeout,
+            module, chunks, process_group, batch_dim, checkpoint, self.schedule_name, broadcast_outputs, timeout,
             deferred_batch_norm=deferred_batch_norm, dp_group=dp_group,
             count_activations=count_activations,
         )
+
+
+class ZeroBubbleH2(ZeroBubbleH1):
+    """ZB-H2 (Qi et al., 2023): ZB-H1 with ``p - 1`` more forwards in flight on every rank.
+
+    The same makespan as ZB-H1 under free messages, for up to ``2p - 1`` microbatches' activations
+    per rank instead of ``p``; in return each message has time to arrive before it is needed, so a
+    slow link costs far less (see :mod:`lightning_pipe.schedule.zero_bubble`).
+    """
+
+    schedule_name = "zb_h2"
 
 
 class ZeroBubbleV(Pipeline):

@@ -68,7 +68,7 @@ def _reentrant_checkpoints_named() -> Iterator[None]:
             raise
         raise ConfigurationError(
             "a layer of this stage runs torch.utils.checkpoint with use_reentrant=True, which cannot compute its "
-            "input gradients apart from its weight gradients, as the zero-bubble schedules ('zb_h1', 'zbv') do. "
+            "input gradients apart from its weight gradients, as the zero-bubble schedules ('zb_h1', 'zb_h2', 'zbv') do. "
             "Pass use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
             "gradient_checkpointing_kwargs={'use_reentrant': False})), let the pipeline checkpoint "
             "(PipeStrategy(checkpoint='always') instead), or use schedule='1f1b'"

@@ -38,6 +38,7 @@ LM_LAUNCHES = {
     ],
     "world2": [
         _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe", trace=[2, 2]), _spec("gpt2_p2", "gpt2", "pipe", 2, schedule="zb_h1"),
+        _spec("gpt2_zbh2", "gpt2", "pipe", 2, schedule="zb_h2"),
         _spec("sum_p2", "sum", "pipe", 2, schedule="gpipe"),
         _spec("denoise_p2", "denoise", "pipe", 2, schedule="gpipe", epochs=NOISE_EPOCHS),
         _spec("diffusion_p2", "diffusion", "pipe", 2), _spec("mixup_p2", "mixup", "pipe", 2, schedule="gpipe"),
@@ -84,6 +85,7 @@ LM_LAUNCHES = {
         _spec("llama_p4", "llama", "pipe", 4, schedule="zb_h1", checkpoint="always", microbatches=4),
         _spec("gpt2_p4", "gpt2", "pipe", 4, schedule="gpipe", microbatches=4),
         _spec("llama_2x2", "llama", "pipe", 4, pipe_size=2, schedule="zb_h1"),
+        _spec("llama_2x2zbh2", "llama", "pipe", 4, pipe_size=2, schedule="zb_h2", checkpoint="except_last"),
         _spec("denoise_2x2", "denoise", "pipe", 4, pipe_size=2, epochs=NOISE_EPOCHS),
         _spec("fp16_2x2", "fp16", "pipe", 4, pipe_size=2, schedule="zb_h1", fp16_scale=256.0),
         _spec("sum_2x2", "sum", "pipe", 4, pipe_size=2, schedule="zb_h1", epochs=3),

@@ -24,7 +24,7 @@ from lightning_pipe.schedule.action import B, F, I, W
 from tests import distributed
 
 WIDTH, FLOAT32, SAMPLES = 8, 4, 2  # samples per microbatch
-SCHEDULES = (("1f1b", None), ("gpipe", None), ("zb_h1", None), ("zbv", None), ("interleaved_1f1b", 2))
+SCHEDULES = (("1f1b", None), ("gpipe", None), ("zb_h1", None), ("zb_h2", None), ("zbv", None), ("interleaved_1f1b", 2))
 
 
 class Block(nn.Sequential):
@@ -135,4 +135,7 @@ def test_zero_bubble_schedules_hold_no_more_than_1f1b_on_the_busiest_rank(peaks)
         busiest = {s: max(results[r][(s, v, m, "never")]["rank"] for r in range(p)) for s, v in SCHEDULES}
         assert busiest["zb_h1"] <= busiest["1f1b"], busiest
         assert busiest["zbv"] <= busiest["1f1b"], busiest
+        # ZB-H2 holds up to 2p - 1 microbatches on its busiest rank, which 1F1B holds p of
+        assert busiest["zb_h1"] <= busiest["zb_h2"] <= busiest["gpipe"], busiest
+        assert busiest["zb_h2"] > busiest["zb_h1"] or m <= p, busiest
         assert busiest["1f1b"] < busiest["gpipe"] or m <= p, busiest

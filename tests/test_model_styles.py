@@ -59,6 +59,7 @@ def assert_same_training(got, want, rtol=None, atol=None, flips=None):
     ("world3", "llama_p3", "llama"),  # 1F1B, 3 stages
     ("world4", "llama_p4", "llama"),  # ZB-H1, 4 stages, checkpoint="always"
     ("world2", "gpt2_p2", "gpt2"),  # ZB-H1
+    ("world2", "gpt2_zbh2", "gpt2"),  # ZB-H2: 3 microbatches in flight per process, head tied to the embedding
     ("world4", "gpt2_p4", "gpt2"),  # GPipe
     ("world3", "albert_p3", "albert"),  # ZB-H1, one block on every stage, clipped by the global norm
     ("world3", "tied_seq_p3", "tied_seq"),  # nn.Sequential body, tie from its first to its last stage
@@ -111,9 +112,9 @@ def test_a_stage_without_trainable_parameters_trains_as_under_ddp(lm_runs, name)
     assert_same_training(lm_runs("world2")[0][f"{name}_p2"], lm_runs("reference")[0][name])
 
 
-def test_two_stages_times_two_replicas_equal_ddp_on_two_devices(lm_runs):
-    results = lm_runs("world4")[0]
-    assert_same_training(results["llama_2x2"], lm_runs("world2")[0]["llama_ddp2"])
+@pytest.mark.parametrize("name", ["llama_2x2", "llama_2x2zbh2"])  # ZB-H1; ZB-H2 with checkpoint="except_last"
+def test_two_stages_times_two_replicas_equal_ddp_on_two_devices(lm_runs, name):
+    assert_same_training(lm_runs("world4")[0][name], lm_runs("world2")[0]["llama_ddp2"])
 
 
 def test_replicas_average_inside_the_step_as_ddp_averages(lm_runs):

@@ -67,7 +67,7 @@ def _grid(rank: int, world: int, cases) -> list:
 
 
 def test_overlapped_replica_sync_equals_the_average_after_the_step():
-    cases = [("mlp", s, v, 4) for s, v in (("gpipe", None), ("1f1b", None), ("zb_h1", None), ("zbv", None),
+    cases = [("mlp", s, v, 4) for s, v in (("gpipe", None), ("1f1b", None), ("zb_h1", None), ("zb_h2", None), ("zbv", None),
                                             ("interleaved_1f1b", 2))]
     cases += [("tied", "1f1b", None, 3), ("tied", "zbv", None, 3)]
     early = distributed.run(_grid, 4, cases, timeout=240)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe.schedule import interleaved_1f1b, lower, one_f_one_b, simulate, validate, zb_h1, zbv
+from lightning_pipe.schedule import interleaved_1f1b, lower, one_f_one_b, simulate, validate, zb_h1, zb_h2, zbv
 
 GRID = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 
@@ -52,6 +52,27 @@ def test_zb_h1_bubble_is_a_third_of_one_f_one_b_at_the_same_memory():
         # every rank holds as many microbatches as 1F1B's rank 0, never more
         assert result.peak_in_flight == (min(p, m),) * p, (p, m)
         assert max(result.peak_memory) == max(baseline.peak_memory), (p, m)
+
+
+def test_zb_h2_has_zb_h1s_makespan_and_loses_far_less_to_message_latency():
+    """Qi et al. 2023, section 2.2: ZB-H2's extra warm-up forwards hold up to 2p - 1 microbatches on every
+    rank. With the step's optimizer step after every gradient its makespan is ZB-H1's; what the extra
+    microbatches buy is slack: a latency c of up to one action per message costs (p - 1) c for
+    m >= 2p - 1, where ZB-H1, whose ranks take turns, loses at least 4 (p - 1) c."""
+    for p, m in GRID:
+        result = _check(zb_h2(p, m), (p, m))
+        h1 = simulate(zb_h1(p, m))
+        assert result.busy == (3.0 * m,) * p, (p, m)
+        assert result.makespan == h1.makespan, (p, m)
+        assert max(result.peak_in_flight) == min(2 * p - 1, m), (p, m)
+        for c in (0.25, 0.5, 1.0, 2.0):
+            h1_time = simulate(zb_h1(p, m), comm_cost=c).makespan
+            assert simulate(zb_h2(p, m), comm_cost=c).makespan <= h1_time, (p, m, c)
+            if m >= 2 * p - 1 and c <= 1:
+                assert simulate(zb_h2(p, m), comm_cost=c).makespan == 3 * m + p - 1 + (p - 1) * c, (p, m, c)
+                assert h1_time >= 3 * m + p - 1 + 4 * (p - 1) * c, (p, m, c)
+        if m >= 2 * p - 1:
+            assert result.peak_in_flight == (2 * p - 1,) * p, (p, m)
 
 
 def test_zbv_bubble_is_only_the_skew_at_1f1b_memory():

@@ -20,6 +20,7 @@ from lightning_pipe.schedule import (
     stage_ranks,
     validate,
     zb_h1,
+    zb_h2,
     zbv,
 )
 from lightning_pipe.schedule.interleaved import microbatch_groups
@@ -105,6 +106,26 @@ ZBV = {
 }
 
 
+# ZB-H2 (Qi et al. 2023, section 2.2): ZB-H1 after 2 (p - 1 - r) warm-up forwards on rank r, the first
+# 2r weight gradients put off (r when m < 2p - 1); written by hand from that rule.
+ZB_H2 = {
+    (2, 4): [
+        "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",
+        "1F0 1I0 1F1 1I1 1F2 1I2 1W0 1F3 1I3 1W1 1W2 1W3",
+    ],
+    (3, 5): [
+        "0F0 0F1 0F2 0F3 0F4 0I0 0W0 0I1 0W1 0I2 0W2 0I3 0W3 0I4 0W4",
+        "1F0 1F1 1F2 1I0 1F3 1I1 1F4 1I2 1W0 1I3 1W1 1I4 1W2 1W3 1W4",
+        "2F0 2I0 2F1 2I1 2F2 2I2 2F3 2I3 2F4 2I4 2W0 2W1 2W2 2W3 2W4",
+    ],
+    (3, 3): [  # m < 2p - 1: ZB-H1's put-off
+        "0F0 0F1 0F2 0I0 0W0 0I1 0W1 0I2 0W2",
+        "1F0 1F1 1F2 1I0 1I1 1W0 1I2 1W1 1W2",
+        "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2W1 2W2",
+    ],
+}
+
+
 @pytest.mark.parametrize("grid", sorted(INTERLEAVED))
 def test_interleaved_1f1b_exact_tables(grid):
     assert interleaved_1f1b(*grid) == parse_table(INTERLEAVED[grid])
@@ -113,6 +134,11 @@ def test_interleaved_1f1b_exact_tables(grid):
 @pytest.mark.parametrize("grid", sorted(ZB_H1))
 def test_zb_h1_exact_tables(grid):
     assert zb_h1(*grid) == parse_table(ZB_H1[grid])
+
+
+@pytest.mark.parametrize("grid", sorted(ZB_H2))
+def test_zb_h2_exact_tables(grid):
+    assert zb_h2(*grid) == parse_table(ZB_H2[grid])
 
 
 @pytest.mark.parametrize("grid", sorted(ZBV))
@@ -161,10 +187,10 @@ def test_stage_ranks_rejects_a_stage_on_two_ranks():
 # -- registry -------------------------------------------------------------------------------------
 def test_runnable_schedules_unchanged_and_every_schedule_registered():
     assert SCHEDULES == {"gpipe": gpipe, "1f1b": one_f_one_b}
-    assert sorted(ALL_SCHEDULES) == ["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"]
+    assert sorted(ALL_SCHEDULES) == ["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv"]
     assert {n: s.stages_per_rank for n, s in ALL_SCHEDULES.items()} == {
-        "gpipe": 1, "1f1b": 1, "interleaved_1f1b": None, "zb_h1": 1, "zbv": 2}
-    assert [n for n, s in ALL_SCHEDULES.items() if s.split_backward] == ["zb_h1", "zbv"]
+        "gpipe": 1, "1f1b": 1, "interleaved_1f1b": None, "zb_h1": 1, "zb_h2": 1, "zbv": 2}
+    assert [n for n, s in ALL_SCHEDULES.items() if s.split_backward] == ["zb_h1", "zb_h2", "zbv"]
     assert all(ALL_SCHEDULES[name].generator is SCHEDULES[name] for name in SCHEDULES)
 
 
@@ -173,13 +199,14 @@ def test_make_table_builds_every_schedule_like_its_generator():
     assert make_table("1f1b", 3, 4, virtual_stages=1) == one_f_one_b(3, 4)
     assert make_table("interleaved_1f1b", 3, 4, virtual_stages=2) == interleaved_1f1b(3, 4, 2)
     assert make_table("zb_h1", 3, 4) == zb_h1(3, 4)
+    assert make_table("zb_h2", 3, 4) == zb_h2(3, 4)
     assert make_table("zbv", 3, 4, virtual_stages=2) == zbv(3, 4)
 
 
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("pipedream", 2, 4), r"unknown schedule 'pipedream': choose one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', 'zbv'\]"),
+        (("pipedream", 2, 4), r"unknown schedule 'pipedream': choose one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', 'zb_h2', 'zbv'\]"),
         (("interleaved_1f1b", 2, 4), r"schedule 'interleaved_1f1b' needs virtual_stages \(stages per rank, at least 2\), e.g. virtual_stages=2"),
         (("zbv", 2, 4, 3), r"schedule 'zbv' runs exactly 2 stages per rank, got virtual_stages=3; leave virtual_stages out or pass 2"),
         (("1f1b", 2, 4, 2), r"schedule '1f1b' runs exactly 1 stage per rank, got virtual_stages=2; leave virtual_stages out or pass 1"),

@@ -1,4 +1,4 @@
-"""Interleaved 1F1B, ZB-H1 and ZB-V run by the engine, against the same model in one process.
+"""Interleaved 1F1B, ZB-H1, ZB-H2 and ZB-V run by the engine, against the same model in one process.
 
 Loss, outputs, every gradient and the weights after 3 optimizer steps, over p in {1, 2, 3, 4}
 ranks, m in {p, 2p, 2p + 1} microbatches, v in {2, 3} stages per rank where the schedule takes v,
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import (
-    ConfigurationError, Interleaved1F1B, PartitionError, Pipeline, ZeroBubbleH1, ZeroBubbleV, partition,
+    ConfigurationError, Interleaved1F1B, PartitionError, Pipeline, ZeroBubbleH1, ZeroBubbleH2, ZeroBubbleV, partition,
 )
 from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from lightning_pipe.partition import balance_by_layers
@@ -27,7 +27,7 @@ from tests.models import mlp, resnet, unet
 from tests.test_ties_and_rng import tied_lm
 
 MODES = ("never", "except_last", "always")
-NEW = (("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", None), ("zbv", None))
+NEW = (("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", None), ("zb_h2", None), ("zbv", None))
 
 
 class Case(NamedTuple):
@@ -37,7 +37,7 @@ class Case(NamedTuple):
     chunks: int
     checkpoint: str = "never"
     batch: int = 10
-    api: str = "pipeline"  # or "named": Interleaved1F1B / ZeroBubbleH1 / ZeroBubbleV
+    api: str = "pipeline"  # or "named": Interleaved1F1B / ZeroBubbleH1 / ZeroBubbleH2 / ZeroBubbleV
 
 
 def _cross_entropy(logits, targets):
@@ -75,7 +75,8 @@ def _pipeline(case: Case, parts, world: int):
     spec = ALL_SCHEDULES[case.schedule]
     deferred = MODELS[case.model][2]
     if case.api == "named":
-        named = {"interleaved_1f1b": Interleaved1F1B, "zb_h1": ZeroBubbleH1, "zbv": ZeroBubbleV}[case.schedule]
+        named = {"interleaved_1f1b": Interleaved1F1B, "zb_h1": ZeroBubbleH1, "zb_h2": ZeroBubbleH2,
+                 "zbv": ZeroBubbleV}[case.schedule]
         return named(parts if spec.stages_per_rank != 1 else parts[0], chunks=case.chunks,
                      checkpoint=case.checkpoint, deferred_batch_norm=deferred, count_activations=True)
     return Pipeline(parts, chunks=case.chunks, schedule=case.schedule, checkpoint=case.checkpoint,
@@ -182,7 +183,7 @@ def _bad(rank: int, world: int) -> list:
         lambda: Pipeline(partition(model, rank, world, num_model_chunks=2), chunks=2, schedule="zb_h1"),
         lambda: Pipeline(partition(model, rank, world, num_model_chunks=2), chunks=2, schedule="interleaved_1f1b",
                          virtual_stages=3),
-        lambda: Pipeline(partition(model, rank, world), chunks=2, schedule="zb_h2"),
+        lambda: Pipeline(partition(model, rank, world), chunks=2, schedule="pipedream"),
     ]
     for attempt in attempts:
         try:
@@ -238,7 +239,7 @@ def _traced(rank: int, world: int, out: str) -> dict:
 
 def test_the_recorder_sees_input_and_weight_gradient_actions(tmp_path):
     per_rank = distributed.run(_traced, 2, str(tmp_path), timeout=120)
-    assert per_rank[0]["zb_h1"][0] == per_rank[0]["zbv"][0] == ["F", "I", "W"]
+    assert per_rank[0]["zb_h1"][0] == per_rank[0]["zb_h2"][0] == per_rank[0]["zbv"][0] == ["F", "I", "W"]
     assert per_rank[1]["interleaved_1f1b"][0] == ["B", "F"]
     for schedule, (_, path, png) in per_rank[0].items():
         assert path.endswith(f"{schedule}.json") and png.endswith(f"{schedule}.png")

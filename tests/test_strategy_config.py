@@ -106,7 +106,7 @@ def test_a_released_body_fails_loudly_and_cannot_be_split_again():
 @pytest.mark.parametrize("kwargs, message", [
     ({"pipe_size": 0}, r"pipe_size=0\): give a positive integer"),
     ({"num_microbatches": 2.5}, r"num_microbatches=2.5\)"),
-    ({"schedule": "zb"}, r"schedule='zb'\): choose one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', 'zbv'\]"),
+    ({"schedule": "zb"}, r"schedule='zb'\): choose one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', 'zb_h2', 'zbv'\]"),
     ({"schedule": "zbv", "virtual_stages": 3}, r"schedule='zbv', virtual_stages=3\): 'zbv' runs exactly 2 stages per "
                                                r"rank; .*leave virtual_stages out"),
     ({"schedule": "interleaved_1f1b"}, r"schedule='interleaved_1f1b', virtual_stages=None\): the schedule runs several "
@@ -138,7 +138,8 @@ def test_a_timeout_in_seconds_is_taken_as_a_timedelta():
 
 def test_registered_names_pick_the_schedule():
     for name, schedule, ranks in (("pipe", "1f1b", (0, 1)), ("pipe_1f1b", "1f1b", (0, 1)), ("pipe_gpipe", "gpipe", (0, 1)),
-                                  ("pipe_zb_h1", "zb_h1", (0, 1)), ("pipe_interleaved_1f1b", "interleaved_1f1b", (0, 1, 0, 1)),
+                                  ("pipe_zb_h1", "zb_h1", (0, 1)), ("pipe_zb_h2", "zb_h2", (0, 1)),
+                                  ("pipe_interleaved_1f1b", "interleaved_1f1b", (0, 1, 0, 1)),
                                   ("pipe_zbv", "zbv", (0, 1, 1, 0))):
         assert name in StrategyRegistry
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)

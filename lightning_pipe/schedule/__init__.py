@@ -10,7 +10,7 @@ from lightning_pipe.schedule.placement import placement, stage_ranks
 from lightning_pipe.schedule.registry import ALL_SCHEDULES, ScheduleSpec, forward_only, make_table
 from lightning_pipe.schedule.simulate import SimulationResult, simulate
 from lightning_pipe.schedule.validate import validate
-from lightning_pipe.schedule.zero_bubble import zb_h1, zbv
+from lightning_pipe.schedule.zero_bubble import zb_h1, zb_h2, zbv
 
 # the one-stage-per-rank schedules with a whole backward, (num_stages, num_microbatches) -> table;
 # the executor runs every schedule in ALL_SCHEDULES (see lightning_pipe.Pipeline)
@@ -37,5 +37,6 @@ __all__ = [
     "stage_ranks",
     "validate",
     "zb_h1",
+    "zb_h2",
     "zbv",
 ]

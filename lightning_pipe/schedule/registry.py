@@ -18,7 +18,7 @@ from lightning_pipe.schedule.gpipe import gpipe
 from lightning_pipe.schedule.interleaved import interleaved_1f1b
 from lightning_pipe.schedule.one_f_one_b import one_f_one_b
 from lightning_pipe.schedule.placement import placement
-from lightning_pipe.schedule.zero_bubble import zb_h1, zbv
+from lightning_pipe.schedule.zero_bubble import zb_h1, zb_h2, zbv
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ ALL_SCHEDULES = {
     "1f1b": ScheduleSpec("1f1b", one_f_one_b, "loop", 1, False),
     "interleaved_1f1b": ScheduleSpec("interleaved_1f1b", interleaved_1f1b, "loop", None, False),
     "zb_h1": ScheduleSpec("zb_h1", zb_h1, "loop", 1, True),
+    "zb_h2": ScheduleSpec("zb_h2", zb_h2, "loop", 1, True),
     "zbv": ScheduleSpec("zbv", zbv, "v", 2, True),
 }
 

@@ -10,6 +10,17 @@ weight gradient, which nothing waits for, so ``W`` can move into what would be i
   the cool-down bubble. Makespan ``3m + p - 1`` for ``m >= p`` (bubble ``(p-1) / (3m + p - 1)``,
   a third of 1F1B's idle time); every rank holds at most ``p`` microbatches from ``F`` to ``W``,
   which is 1F1B's peak (rank 0's).
+* **ZB-H2** (section 2.2, Figure 3 bottom): ZB-H1 with more forwards in the warm-up. Rank ``r``
+  runs ``2(p - 1 - r)`` warm-up forwards, so ``2(p - r) - 1`` forwards come before its first
+  ``I``: the time it would wait for its first output gradient is filled with forwards. It puts
+  off its first ``2r`` weight gradients (``r`` for ``m < 2p - 1``). Every rank then holds up to
+  ``min(2p - 1, m)`` microbatches from ``F`` to ``W`` (ZB-H1: ``p``). The paper's zero bubble
+  also needs its optimizer step without synchronization (post-validation); here a step ends
+  with the optimizer step after every gradient, so under free messages the makespan is ZB-H1's,
+  ``3m + p - 1``. What the microbatches in flight buy is slack: each input gradient and each
+  activation arrives before it is needed, so a message latency ``c`` up to one action's time
+  costs ``(p - 1) c`` per step for ``m >= 2p - 1``, where ZB-H1 loses at least ``4(p - 1) c``
+  (its ranks take turns, each waiting for the other's last message).
 * **ZB-V** (section 6): two stages per rank in a V (rank ``r`` holds stages ``r`` and
   ``2p - 1 - r``), each stage half a rank's share of the model. Rank ``r`` runs ``2(p - r) - 1``
   forwards of its first stage, then ``r`` pairs of forwards (second stage, first stage), then
@@ -44,18 +55,39 @@ def zb_h1(num_stages: int, num_microbatches: int) -> tuple:
         0F0 0F1 0I0 0W0 0I1 0W1
         1F0 1I0 1F1 1I1 1W0 1W1
     """
+    return _split_one_f_one_b(num_stages, num_microbatches, [num_stages - s - 1 for s in range(num_stages)],
+                              list(range(num_stages)))
+
+
+@gc_paused
+def zb_h2(num_stages: int, num_microbatches: int) -> tuple:
+    """Return ZB-H2's compute actions, one tuple per rank (rank ``s`` runs stage ``s``).
+
+    Example:
+        >>> for row in zb_h2(2, 4): print(" ".join(map(str, row)))
+        0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3
+        1F0 1I0 1F1 1I1 1F2 1I2 1W0 1F3 1I3 1W1 1W2 1W3
+    """
+    p, m = num_stages, num_microbatches
+    put_off = 2 if m >= 2 * p - 1 else 1  # with fewer microbatches, twice ZB-H1's put-off W only lengthen the step
+    return _split_one_f_one_b(p, m, [2 * (p - s - 1) for s in range(p)], [put_off * s for s in range(p)])
+
+
+def _split_one_f_one_b(num_stages: int, num_microbatches: int, warmups: list, put_off: list) -> tuple:
+    """1F1B with the backward split: stage ``s`` runs ``warmups[s]`` forwards, then rounds of ``F I W``
+    (no ``F`` once every forward ran), its first ``put_off[s]`` ``W`` moved to the end of its row."""
     check_grid(num_stages, num_microbatches)
     m = num_microbatches
     tables = []
     for s in range(num_stages):
-        warmup = min(num_stages - s - 1, m)
+        warmup = min(warmups[s], m)
         row = [Action(F, s, i) for i in range(warmup)]
         done = 0  # weight gradients run so far
         for i in range(m):
             if warmup + i < m:
                 row.append(Action(F, s, warmup + i))
             row.append(Action(I, s, i))
-            if i >= s:
+            if i >= put_off[s]:
                 row.append(Action(W, s, done))
                 done += 1
         row.extend(Action(W, s, j) for j in range(done, m))
