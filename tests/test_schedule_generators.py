@@ -216,6 +216,8 @@ def test_make_table_builds_every_schedule_like_its_generator():
         (("zbv", 0, 4), r"num_ranks must be a positive integer, got 0"),
         (("zbv", 2, 2.0), r"num_microbatches must be a positive integer, got 2\.0"),
         (("zb_h1", True, 4), r"num_stages must be a positive integer, got True"),
+        (("zb_h2", 2.0, 4), r"num_stages must be a positive integer, got 2\.0"),
+        (("zb_h2", 2, 0), r"num_microbatches must be a positive integer, got 0"),
     ],
 )
 def test_bad_arguments_raise_named_errors(args, match):

@@ -20,7 +20,7 @@ weight gradient, which nothing waits for, so ``W`` can move into what would be i
   ``3m + p - 1``. What the microbatches in flight buy is slack: each input gradient and each
   activation arrives before it is needed, so a message latency ``c`` up to one action's time
   costs ``(p - 1) c`` per step for ``m >= 2p - 1``, where ZB-H1 loses at least ``4(p - 1) c``
-  (its ranks take turns, each waiting for the other's last message).
+  (neighbouring ranks take turns, each waiting for the other's last message).
 * **ZB-V** (section 6): two stages per rank in a V (rank ``r`` holds stages ``r`` and
   ``2p - 1 - r``), each stage half a rank's share of the model. Rank ``r`` runs ``2(p - r) - 1``
   forwards of its first stage, then ``r`` pairs of forwards (second stage, first stage), then
@@ -55,6 +55,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> tuple:
         0F0 0F1 0I0 0W0 0I1 0W1
         1F0 1I0 1F1 1I1 1W0 1W1
     """
+    check_grid(num_stages, num_microbatches)
     return _split_one_f_one_b(num_stages, num_microbatches, [num_stages - s - 1 for s in range(num_stages)],
                               list(range(num_stages)))
 
@@ -68,6 +69,7 @@ def zb_h2(num_stages: int, num_microbatches: int) -> tuple:
         0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3
         1F0 1I0 1F1 1I1 1F2 1I2 1W0 1F3 1I3 1W1 1W2 1W3
     """
+    check_grid(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     put_off = 2 if m >= 2 * p - 1 else 1  # with fewer microbatches, twice ZB-H1's put-off W only lengthen the step
     return _split_one_f_one_b(p, m, [2 * (p - s - 1) for s in range(p)], [put_off * s for s in range(p)])
@@ -76,7 +78,6 @@ def zb_h2(num_stages: int, num_microbatches: int) -> tuple:
 def _split_one_f_one_b(num_stages: int, num_microbatches: int, warmups: list, put_off: list) -> tuple:
     """1F1B with the backward split: stage ``s`` runs ``warmups[s]`` forwards, then rounds of ``F I W``
     (no ``F`` once every forward ran), its first ``put_off[s]`` ``W`` moved to the end of its row."""
-    check_grid(num_stages, num_microbatches)
     m = num_microbatches
     tables = []
     for s in range(num_stages):
