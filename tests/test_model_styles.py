@@ -220,16 +220,26 @@ def test_two_stages_per_process_train_as_under_ddp(lm_runs, launch, name, refere
     assert_same_training(lm_runs(launch)[0][name], lm_runs(reference[0])[0][reference[1]])
 
 
-@pytest.mark.parametrize("schedule, bubble, ranks", [
-    ("interleaved_1f1b", "14.3%", [0, 1, 0, 1]),  # m = 3, p = 2, v = 2: (p - 1) / (v * m + p - 1) = 1 / 7
-    ("zbv", "5.3%", [0, 1, 1, 0]),
+@pytest.mark.parametrize("schedule, bubble, peak, ranks", [
+    # m = 3, p = 2, v = 2: (p - 1) / (v * m + p - 1) = 1 / 7; process 0 holds 6 (stage, microbatch) pairs of half size
+    ("interleaved_1f1b", "14.3%", 3, [0, 1, 0, 1]),
+    ("zbv", "5.3%", 2, [0, 1, 1, 0]),
 ])
-def test_the_summary_lists_every_stage_and_the_schedules_ideal_bubble(lm_runs, schedule, bubble, ranks):
+def test_the_summary_lists_every_stage_and_the_schedules_ideal_bubble(lm_runs, schedule, bubble, peak, ranks):
     _, _, output = lm_runs("world2")
     assert (f"PipeStrategy: 4 stages (2 per process) x 1 replicas, schedule {schedule}, 3 microbatches, "
-            f"checkpoint never, body `layers`, ideal bubble {bubble}\n"
+            f"checkpoint never, body `layers`, ideal bubble {bubble}, activations of up to {peak} microbatches per "
+            "process\n"
             + "".join(f"  stage {s}: layers {s}..{s} (1), 2,144 parameters, ranks [{r}]\n" for s, r in enumerate(ranks))
             ) in output
+
+
+def test_the_summary_gives_what_zb_h2_holds_beside_zb_h1(lm_runs):
+    """The same ideal bubble, one more microbatch in flight (p = 2, m = 3: 2p - 1 against p)."""
+    _, _, output = lm_runs("world2")
+    for schedule, peak in (("zb_h1", 2), ("zb_h2", 3)):
+        assert (f"PipeStrategy: 2 stages x 1 replicas, schedule {schedule}, 3 microbatches, checkpoint never, body `h`, "
+                f"ideal bubble 10.0%, activations of up to {peak} microbatches per process\n") in output
 
 
 def test_balance_by_flops_cuts_every_stage_of_an_interleaved_pipeline(lm_runs):

@@ -1,4 +1,4 @@
-"""Which schedules PipeStrategy runs, with how many stages per process, and their ideal bubble.
+"""Which schedules PipeStrategy runs, with how many stages per process, and their ideal bubble and memory.
 
 Checked in the strategy's constructor, on every rank from the same arguments, so a bad
 combination fails everywhere before any process group exists.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.schedule import ALL_SCHEDULES, make_table, simulate
+from lightning_pipe.schedule import ALL_SCHEDULES, SimulationResult, make_table, simulate
 
 
 def check_schedule(schedule: str, virtual_stages: Optional[int]) -> int:
@@ -40,13 +40,18 @@ def check_schedule(schedule: str, virtual_stages: Optional[int]) -> int:
     return spec.stages_per_rank
 
 
-def ideal_bubble(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: Optional[int] = None) -> float:
-    """The schedule's idle fraction when every F, I and W costs the same and messages cost nothing.
+def ideal(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: Optional[int] = None) -> SimulationResult:
+    """The schedule simulated with every F, I and W costing the same and free messages.
+
+    Its ``bubble_fraction`` is the schedule's ideal bubble; ``max(peak_memory)`` the activations the
+    busiest process holds at its peak, in microbatches through all of a process's layers.
 
     Example:
-        >>> round(ideal_bubble("1f1b", 2, 4), 3), round(ideal_bubble("zb_h1", 2, 4), 3)
+        >>> round(ideal("1f1b", 2, 4).bubble_fraction, 3), round(ideal("zb_h1", 2, 4).bubble_fraction, 3)
         (0.2, 0.077)
-        >>> round(ideal_bubble("interleaved_1f1b", 2, 4, virtual_stages=2), 3)
+        >>> round(ideal("interleaved_1f1b", 2, 4, virtual_stages=2).bubble_fraction, 3)
         0.111
+        >>> max(ideal("1f1b", 2, 4).peak_memory), max(ideal("zb_h2", 2, 4).peak_memory)
+        (2.0, 3.0)
     """
-    return simulate(make_table(schedule, num_ranks, num_microbatches, virtual_stages)).bubble_fraction
+    return simulate(make_table(schedule, num_ranks, num_microbatches, virtual_stages))

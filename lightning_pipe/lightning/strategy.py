@@ -49,7 +49,7 @@ from lightning_pipe.lightning.layer_list import PipelinedLayerList
 from lightning_pipe.lightning.layout import gather_whole_model, plan
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
 from lightning_pipe.lightning.objects import post_share, share_object
-from lightning_pipe.lightning.schedules import check_schedule, ideal_bubble
+from lightning_pipe.lightning.schedules import check_schedule, ideal
 from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.stale import StaleCopies
 from lightning_pipe.lightning.state import Checkpoints
@@ -346,10 +346,11 @@ class PipeStrategy(DDPStrategy):
                 hooks.support_finetuning(self, trainer.callbacks)
             v = self.stages_per_rank
             stages = f"{self.pp_size} stages" if v == 1 else f"{self.pp_size * v} stages ({v} per process)"
+            plan = ideal(self.schedule, self.pp_size, m, v if v > 1 else None)
             rank_zero_info(f"PipeStrategy: {stages} x {self.dp_size} replicas, schedule {self.schedule}, "
                            f"{m} microbatches, checkpoint {self.checkpoint}, body `{self.split.path}`, ideal bubble "
-                           f"{ideal_bubble(self.schedule, self.pp_size, m, v if v > 1 else None):.1%}\n"
-                           + "\n".join(self._stage_rows()))
+                           f"{plan.bubble_fraction:.1%}, activations of up to {max(plan.peak_memory):g} microbatches "
+                           "per process\n" + "\n".join(self._stage_rows()))
             # on_fit_start: the summary sees the whole model; the learning rate finder (Tuner.lr_find), which trains
             # and restores its checkpoint inside its on_fit_start, first in order, sees the split one
             finders = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, LearningRateFinder)]
