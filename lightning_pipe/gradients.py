@@ -57,11 +57,13 @@ def average(parameters: Iterable[nn.Parameter], group, size: int) -> None:
     if not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flags = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
+    present = [p.grad is not None for p in params]
+    flags = torch.tensor(present, dtype=grads[0].dtype, device=grads[0].device)
     flat = _flatten(grads + [flags])
     dist.all_reduce(flat, group=group)
     flat /= size
-    used = flat[-len(params):].tolist()
+    # the flags are read (on a GPU, a wait for it) only where this replica lacked a gradient: one it has is used
+    used = flat[-len(params):].tolist() if not all(present) else present
     for p, synced, anywhere in zip(params, _unflatten(flat[:-len(params)], grads), used):
         if not anywhere:
             continue  # no replica's step used it

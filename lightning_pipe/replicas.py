@@ -39,7 +39,7 @@ class _Bucket:
     """Parameters all-reduced together through one flat buffer: their gradients, then a flag per parameter
     (1 where this replica has a gradient), so that one no replica's step used keeps no gradient."""
 
-    __slots__ = ("params", "flat", "final", "work")
+    __slots__ = ("params", "flat", "final", "work", "missing")
 
     def __init__(self, params: List[nn.Parameter]) -> None:
         self.params = params
@@ -47,6 +47,7 @@ class _Bucket:
         self.flat = torch.empty(size, dtype=params[0].dtype, device=params[0].device)
         self.final = 0  # parameters whose gradient is final this step
         self.work = None
+        self.missing = False  # whether a parameter of this bucket had no gradient here at the launch
 
     def launch(self, group) -> None:
         offset, flags = 0, self.flat[-len(self.params):]
@@ -57,9 +58,10 @@ class _Bucket:
             else:
                 self.flat[offset : offset + n].copy_(p.grad.reshape(-1))
             offset += n
+        present = [p.grad is not None for p in self.params]
+        self.missing = not all(present)
         # from pinned memory without blocking: this runs in the backward's hooks, which must not wait for the GPU
-        present = torch.tensor([p.grad is not None for p in self.params], dtype=flags.dtype, pin_memory=flags.is_cuda)
-        flags.copy_(present, non_blocking=True)
+        flags.copy_(torch.tensor(present, dtype=flags.dtype, pin_memory=flags.is_cuda), non_blocking=True)
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def settle(self, size: int) -> None:
@@ -67,13 +69,14 @@ class _Bucket:
         self.work.wait()
         self.work = None
         self.flat.div_(size)
-        used = self.flat[-len(self.params):].tolist()
+        # the flags are read (on a GPU, a wait for it) only where this replica lacked a gradient: one it has is used
+        used = self.flat[-len(self.params):].tolist() if self.missing else None
         offset = 0
-        for p, anywhere in zip(self.params, used):
+        for i, p in enumerate(self.params):
             n = p.numel()
             average = self.flat[offset : offset + n].view_as(p)
             offset += n
-            if not anywhere:
+            if used is not None and not used[i]:
                 continue
             if p.grad is None:
                 p.grad = average.clone()
