@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe.schedule import format_table, gpipe, make_table, one_f_one_b
-from lightning_pipe.schedule.__main__ import main, schedule_tables, show
+from lightning_pipe.schedule import ALL_SCHEDULES, format_table, gpipe, make_table, one_f_one_b, simulate
+from lightning_pipe.schedule.__main__ import compare, main, schedule_tables, show
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -95,3 +95,43 @@ def test_show_reports_bad_arguments_and_exits_2(argv, message, capsys):
 
 def test_the_schedule_lookup_is_one_function():
     assert schedule_tables("1f1b", 2, 3, virtual_stages=1) == one_f_one_b(2, 3)
+
+
+def _compared(text: str) -> dict:
+    return {row.split()[0]: [float(v.rstrip("%")) for v in row.split()[1:]] for row in text.splitlines()[2:]}
+
+
+def test_compare_simulates_every_schedule_for_the_same_costs(capsys):
+    assert main("compare --stages 3 --microbatches 6 --forward-cost 2 --backward-cost 4 --comm-cost 0.25".split()) == 0
+    rows = _compared(capsys.readouterr().out)
+    assert sorted(rows) == sorted(ALL_SCHEDULES)
+    for name, (v, makespan, bubble, peak) in rows.items():
+        virtual = 2 if name == "interleaved_1f1b" else None
+        result = simulate(make_table(name, 3, 6, virtual), 2 / v, 4 / v, 0.25)  # a stage is 1/v of a rank's share
+        assert (v, makespan, peak) == (ALL_SCHEDULES[name].virtual_stages(virtual), result.makespan,
+                                       max(result.peak_memory)), name
+        assert bubble == round(100 * result.bubble_fraction, 1), name
+
+
+def test_compare_shows_where_zb_h2_pays_for_its_memory():
+    """Free messages: ZB-V is fastest, ZB-H2 ties ZB-H1 with more activations; half an action of latency per
+    message: ZB-H2 is fastest."""
+    free, slow = _compared(compare(4, 16)), _compared(compare(4, 16, comm_cost=0.5))
+    assert min(free, key=lambda n: free[n][1]) == "zbv"
+    assert free["zb_h2"][1] == free["zb_h1"][1] and free["zb_h2"][3] == 7 > free["zb_h1"][3] == 4
+    assert min(slow, key=lambda n: slow[n][1]) == "zb_h2"
+
+
+def test_compare_reports_bad_arguments_and_exits_2(capsys):
+    assert main("compare --stages 2 --microbatches 4 --virtual-stages 1".split()) == 2
+    assert "virtual_stages >= 2" in capsys.readouterr().err
+
+
+def test_the_commands_examples_run():
+    """pytest's doctest collection skips a ``__main__.py``; its examples are run here."""
+    import doctest
+
+    import lightning_pipe.schedule.__main__ as module
+
+    result = doctest.testmod(module)
+    assert result.attempted >= 3 and result.failed == 0

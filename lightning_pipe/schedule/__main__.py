@@ -1,8 +1,13 @@
-"""Schedules at a glance: ``python -m lightning_pipe.schedule show <schedule> --stages P --microbatches M``.
+"""Schedules at a glance: ``python -m lightning_pipe.schedule show|compare ...``.
 
-Prints the schedule's table as :func:`~lightning_pipe.schedule.format_table` draws it, then what
+``show <schedule> --stages P --microbatches M`` prints the schedule's table as
+:func:`~lightning_pipe.schedule.format_table` draws it, then what
 :func:`~lightning_pipe.schedule.simulate` finds under the same costs: the makespan, the bubble and
 the peak of microbatches in flight per rank; ``--png FILE`` also draws the plan (needs matplotlib).
+
+``compare --stages P --microbatches M`` simulates every schedule for the same model and batch
+(costs per rank's share of the model, a message latency if given) and prints one line each: the
+makespan, the bubble and the activations the busiest rank holds, to choose a schedule with.
 """
 
 from __future__ import annotations
@@ -64,6 +69,39 @@ def show(name: str, num_stages: int, num_microbatches: int, virtual_stages: Opti
     return "\n".join(lines)
 
 
+def compare(num_stages: int, num_microbatches: int, virtual_stages: int = 2, forward_cost: float = 1.0,
+            backward_cost: float = 2.0, comm_cost: float = 0.0) -> str:
+    """The text ``compare`` prints: every schedule simulated for the same model, batch and costs.
+
+    ``forward_cost`` and ``backward_cost`` are one microbatch's through a rank's share of the model
+    (a rank holding ``v`` stages spends ``1 / v`` of them per stage; a split backward's ``I`` and ``W``
+    take half each); ``comm_cost`` is each message's latency. Peak activations are in microbatches
+    through a rank's share, on the busiest rank.
+
+    Example:
+        >>> print(compare(2, 4, comm_cost=0.5))
+        2 stages, 4 microbatches, forward 1, backward 2, message latency 0.5 (interleaved_1f1b: 2 stages per rank)
+        schedule          stages/rank  makespan  bubble  peak activations
+        1f1b                        1        17   29.4%                 2
+        gpipe                       1        16   25.0%                 4
+        interleaved_1f1b            2      16.5   27.3%               2.5
+        zb_h1                       1        15   20.0%                 2
+        zb_h2                       1      13.5   11.1%                 3
+        zbv                         2        15   20.0%                 2
+    """
+    lines = [f"{num_stages} stages, {num_microbatches} microbatches, forward {forward_cost:g}, backward "
+             f"{backward_cost:g}, message latency {comm_cost:g} (interleaved_1f1b: {virtual_stages} stages per rank)",
+             f"{'schedule':<17} {'stages/rank':>11} {'makespan':>9} {'bubble':>7} {'peak activations':>17}"]
+    for name in sorted(ALL_SCHEDULES):
+        spec = ALL_SCHEDULES[name]
+        v = spec.virtual_stages(virtual_stages if spec.stages_per_rank is None else None)
+        result = simulate(make_table(name, num_stages, num_microbatches, v if spec.stages_per_rank is None else None),
+                          forward_cost / v, backward_cost / v, comm_cost)
+        lines.append(f"{name:<17} {v:>11} {result.makespan:>9.4g} {result.bubble_fraction:>7.1%} "
+                     f"{max(result.peak_memory):>17.4g}")
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_pipe.schedule", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -76,14 +114,26 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--backward-cost", type=float, default=1.0,
                      help="time of one backward, and of each of its halves I and W (default 1, as in the table)")
     cmd.add_argument("--png", metavar="FILE", default=None, help="also draw the plan into FILE (needs matplotlib)")
+    cmd = commands.add_parser("compare", help="every schedule's simulated makespan, bubble and peak activations")
+    cmd.add_argument("--stages", type=int, required=True, help="num_stages (P): ranks")
+    cmd.add_argument("--microbatches", type=int, required=True, help="num_microbatches (M)")
+    cmd.add_argument("--virtual-stages", type=int, default=2, help="stages per rank of interleaved_1f1b (default 2)")
+    cmd.add_argument("--forward-cost", type=float, default=1.0,
+                     help="one microbatch's forward through a rank's share of the model (default 1)")
+    cmd.add_argument("--backward-cost", type=float, default=2.0, help="its backward (default 2)")
+    cmd.add_argument("--comm-cost", type=float, default=0.0, help="each message's latency (default 0)")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        print(show(args.schedule, args.stages, args.microbatches, args.virtual_stages,
-                   args.forward_cost, args.backward_cost, args.png))
+        if args.command == "compare":
+            print(compare(args.stages, args.microbatches, args.virtual_stages, args.forward_cost, args.backward_cost,
+                          args.comm_cost))
+        else:
+            print(show(args.schedule, args.stages, args.microbatches, args.virtual_stages,
+                       args.forward_cost, args.backward_cost, args.png))
     except (PipelineError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
