@@ -168,12 +168,8 @@ class Pipeline(Tracing):
 
     def _place(self) -> None:
         """Which stages this rank runs, under the schedule's placement."""
-        if self.virtual_stages > 1 and dist.get_backend(self.group) == "nccl":
-            raise ConfigurationError(
-                f"schedule {self.schedule!r} runs {self.virtual_stages} stages per rank, which the NCCL transport does "
-                "not support yet (its grouped sends and receives could wait on each other across two stages); "
-                "use a gloo process group, or one stage per rank: 'gpipe', '1f1b', 'zb_h1' or 'zb_h2'"
-            )
+        if not self.spec.runs_on_nccl and dist.get_backend(self.group) == "nccl":
+            raise ConfigurationError(self.spec.nccl_refusal())
         self.ranks = dist.get_process_group_ranks(self.group)
         self.pp_rank = dist.get_rank(self.group)
         self.num_ranks = len(self.ranks)

@@ -103,14 +103,10 @@ class Interleaved1F1B(Pipeline):
         )
 
 
-class ZeroBubbleH1(Pipeline):
-    """ZB-H1 (Qi et al., 2023): 1F1B with each backward split into input and weight gradients.
+class _SplitOneStagePerRank(Pipeline):
+    """A zero-bubble schedule with one stage per rank; subclasses name it in ``_schedule``."""
 
-    The weight gradients fill the cool-down bubble: a third of 1F1B's idle time, at 1F1B's peak
-    activation memory on the busiest rank (rank 0; every rank holds up to ``p`` microbatches).
-    """
-
-    schedule_name = "zb_h1"
+    _schedule = ""
 
     def __init__(
         self,
@@ -126,21 +122,31 @@ class ZeroBubbleH1(Pipeline):
         count_activations: bool = False,
     ) -> None:
         super().__init__(
-            module, chunks, process_group, batch_dim, checkpoint, self.schedule_name, broadcast_outputs, timeout,
+            module, chunks, process_group, batch_dim, checkpoint, self._schedule, broadcast_outputs, timeout,
             deferred_batch_norm=deferred_batch_norm, dp_group=dp_group,
             count_activations=count_activations,
         )
 
 
-class ZeroBubbleH2(ZeroBubbleH1):
+class ZeroBubbleH1(_SplitOneStagePerRank):
+    """ZB-H1 (Qi et al., 2023): 1F1B with each backward split into input and weight gradients.
+
+    The weight gradients fill the cool-down bubble: a third of 1F1B's idle time, at 1F1B's peak
+    activation memory on the busiest rank (rank 0; every rank holds up to ``p`` microbatches).
+    """
+
+    _schedule = "zb_h1"
+
+
+class ZeroBubbleH2(_SplitOneStagePerRank):
     """ZB-H2 (Qi et al., 2023): ZB-H1 with ``p - 1`` more forwards in flight on every rank.
 
     The same makespan as ZB-H1 under free messages, for up to ``2p - 1`` microbatches' activations
     per rank instead of ``p``; in return each message has time to arrive before it is needed, so a
-    slow link costs far less (see :mod:`lightning_pipe.schedule.zero_bubble`).
+    slow link costs far less (see :mod:`lightning_pipe.schedule.zero_bubble`). Gloo only for now.
     """
 
-    schedule_name = "zb_h2"
+    _schedule = "zb_h2"
 
 
 class ZeroBubbleV(Pipeline):

@@ -135,7 +135,13 @@ def test_zero_bubble_schedules_hold_no_more_than_1f1b_on_the_busiest_rank(peaks)
         busiest = {s: max(results[r][(s, v, m, "never")]["rank"] for r in range(p)) for s, v in SCHEDULES}
         assert busiest["zb_h1"] <= busiest["1f1b"], busiest
         assert busiest["zbv"] <= busiest["1f1b"], busiest
-        # ZB-H2 holds up to 2p - 1 microbatches on its busiest rank, which 1F1B holds p of
+        assert busiest["1f1b"] < busiest["gpipe"] or m <= p, busiest
+
+
+def test_zb_h2_holds_more_than_zb_h1_and_no_more_than_gpipe_on_the_busiest_rank(peaks):
+    """ZB-H2 holds up to 2p - 1 microbatches on every rank, where ZB-H1 holds p."""
+    p, cases, results = peaks
+    for m in (p, 2 * p + 1):
+        busiest = {s: max(results[r][(s, v, m, "never")]["rank"] for r in range(p)) for s, v in SCHEDULES}
         assert busiest["zb_h1"] <= busiest["zb_h2"] <= busiest["gpipe"], busiest
         assert busiest["zb_h2"] > busiest["zb_h1"] or m <= p, busiest
-        assert busiest["1f1b"] < busiest["gpipe"] or m <= p, busiest

@@ -228,7 +228,7 @@ def test_two_stages_per_process_train_as_under_ddp(lm_runs, launch, name, refere
 def test_the_summary_lists_every_stage_and_the_schedules_ideal_bubble(lm_runs, schedule, bubble, peak, ranks):
     _, _, output = lm_runs("world2")
     assert (f"PipeStrategy: 4 stages (2 per process) x 1 replicas, schedule {schedule}, 3 microbatches, "
-            f"checkpoint never, body `layers`, ideal bubble {bubble}, activations of up to {peak} microbatches per "
+            f"checkpoint never, body `layers`, ideal bubble {bubble}, up to {peak} microbatches in flight per "
             "process\n"
             + "".join(f"  stage {s}: layers {s}..{s} (1), 2,144 parameters, ranks [{r}]\n" for s, r in enumerate(ranks))
             ) in output
@@ -239,7 +239,7 @@ def test_the_summary_gives_what_zb_h2_holds_beside_zb_h1(lm_runs):
     _, _, output = lm_runs("world2")
     for schedule, peak in (("zb_h1", 2), ("zb_h2", 3)):
         assert (f"PipeStrategy: 2 stages x 1 replicas, schedule {schedule}, 3 microbatches, checkpoint never, body `h`, "
-                f"ideal bubble 10.0%, activations of up to {peak} microbatches per process\n") in output
+                f"ideal bubble 10.0%, up to {peak} microbatches in flight per process\n") in output
 
 
 def test_balance_by_flops_cuts_every_stage_of_an_interleaved_pipeline(lm_runs):

@@ -78,7 +78,7 @@ def test_overlapped_replica_sync_equals_the_average_after_the_step():
 
 def _used_by_some_replicas(rank: int, world: int) -> list:
     results = []
-    for path in ("after the step", "bucket"):
+    for path in ("after the step", "bucket", "bucket complete on rank 0"):
         everywhere, on_rank_0, nowhere = (nn.Parameter(torch.zeros(n)) for n in (3, 2, 2))
         frozen = nn.Parameter(torch.zeros(2), requires_grad=False)
         everywhere.grad = torch.full((3,), rank + 1.0)
@@ -92,8 +92,11 @@ def _used_by_some_replicas(rank: int, world: int) -> list:
             average(params + [half], None, world)
             assert half.grad.dtype == torch.bfloat16 and half.grad.tolist() == [2.0] * 2
         else:
+            if path == "bucket complete on rank 0":  # rank 0 takes the average without reading the flags, rank 1 reads them
+                params = [everywhere, on_rank_0]
             bucket = _Bucket([p for p in params if p.requires_grad])
             bucket.launch(None)
+            assert bucket.missing == (rank == 1 or path == "bucket")
             bucket.settle(world)
         results.append([None if p.grad is None else p.grad.tolist() for p in params])
     return results
@@ -107,3 +110,4 @@ def test_a_parameter_some_replicas_did_not_use_is_averaged_with_zeros_and_one_no
     for rank, per_path in enumerate(distributed.run(_used_by_some_replicas, 2, timeout=120)):
         for path, grads in zip(("after the step", "bucket"), per_path):
             assert grads == [[1.5] * 3, [2.0] * 2, None, None], (rank, path, grads)
+        assert per_path[2] == [[1.5] * 3, [2.0] * 2], (rank, per_path[2])

@@ -106,8 +106,8 @@ ZBV = {
 }
 
 
-# ZB-H2 (Qi et al. 2023, section 2.2): ZB-H1 after 2 (p - 1 - r) warm-up forwards on rank r, the first
-# 2r weight gradients put off (r when m < 2p - 1); written by hand from that rule.
+# ZB-H2 (Qi et al. 2023, section 2.2): ZB-H1 after 2 (p - 1 - r) warm-up forwards on rank r, each weight
+# gradient 2r rounds after its input gradient (r when m < 2p - 2); written by hand from that rule.
 ZB_H2 = {
     (2, 4): [
         "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",
@@ -118,12 +118,19 @@ ZB_H2 = {
         "1F0 1F1 1F2 1I0 1F3 1I1 1F4 1I2 1W0 1I3 1W1 1I4 1W2 1W3 1W4",
         "2F0 2I0 2F1 2I1 2F2 2I2 2F3 2I3 2F4 2I4 2W0 2W1 2W2 2W3 2W4",
     ],
-    (3, 3): [  # m < 2p - 1: ZB-H1's put-off
+    (3, 3): [  # m < 2p - 2: ZB-H1's put-off
         "0F0 0F1 0F2 0I0 0W0 0I1 0W1 0I2 0W2",
         "1F0 1F1 1F2 1I0 1I1 1W0 1I2 1W1 1W2",
         "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2W1 2W2",
     ],
 }
+
+
+ZB_H2[(3, 4)] = [  # m = 2p - 2: already the put-off of 2r
+    "0F0 0F1 0F2 0F3 0I0 0W0 0I1 0W1 0I2 0W2 0I3 0W3",
+    "1F0 1F1 1F2 1I0 1F3 1I1 1I2 1W0 1I3 1W1 1W2 1W3",
+    "2F0 2I0 2F1 2I1 2F2 2I2 2F3 2I3 2W0 2W1 2W2 2W3",
+]
 
 
 @pytest.mark.parametrize("grid", sorted(INTERLEAVED))
@@ -191,6 +198,7 @@ def test_runnable_schedules_unchanged_and_every_schedule_registered():
     assert {n: s.stages_per_rank for n, s in ALL_SCHEDULES.items()} == {
         "gpipe": 1, "1f1b": 1, "interleaved_1f1b": None, "zb_h1": 1, "zb_h2": 1, "zbv": 2}
     assert [n for n, s in ALL_SCHEDULES.items() if s.split_backward] == ["zb_h1", "zb_h2", "zbv"]
+    assert [n for n, s in ALL_SCHEDULES.items() if not s.runs_on_nccl] == ["interleaved_1f1b", "zb_h2", "zbv"]
     assert all(ALL_SCHEDULES[name].generator is SCHEDULES[name] for name in SCHEDULES)
 
 

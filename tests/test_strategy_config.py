@@ -180,6 +180,20 @@ def test_interleaving_needs_a_pipeline_of_several_processes_before_any_collectiv
     init.assert_not_called()
 
 
+@pytest.mark.parametrize("schedule, virtual_stages", [("zb_h2", None), ("zbv", None), ("interleaved_1f1b", 2)])
+def test_schedules_the_nccl_transport_could_deadlock_are_refused_over_nccl_before_any_collective(schedule, virtual_stages):
+    """The NCCL transport groups the sends and receives between two compute actions; under these schedules
+    two ranks' groups can each wait for the other's (ZB-H2, p=2, m=4: rank 0 groups SF3 with RB1 and then
+    posts RB2, rank 1 sends SB2 before it posts RF3)."""
+    strategy = PipeStrategy(schedule=schedule, virtual_stages=virtual_stages, process_group_backend="nccl",
+                            parallel_devices=[torch.device("cpu")] * 2, cluster_environment=_environment(2, 0))
+    with mock.patch("torch.distributed.init_process_group") as init:
+        with pytest.raises(ConfigurationError, match=rf"schedule '{schedule}' does not run over NCCL yet: .*use a gloo "
+                                                     r"process group, or 'gpipe', '1f1b' or 'zb_h1'"):
+            strategy.setup_environment()
+    init.assert_not_called()
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_pipe_size_that_does_not_divide_the_processes_is_refused_before_any_collective(rank):
     """Every rank refuses it before the process group exists; reporting the failure names the rank (it

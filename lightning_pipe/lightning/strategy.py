@@ -273,11 +273,9 @@ class PipeStrategy(DDPStrategy):
                 + (f", virtual_stages={self.virtual_stages}" if self.virtual_stages is not None else "") + ") places "
                 f"{self.stages_per_rank} stages on each process of a pipeline of several, but pipe_size is {self.pp_size} "
                 f"({self.world_size} processes); use pipe_size >= 2, or schedule='1f1b' without virtual_stages")
-        if self.stages_per_rank > 1 and self._get_process_group_backend() == "nccl":
-            raise ConfigurationError(
-                f"PipeStrategy(schedule={self.schedule!r}): {self.stages_per_rank} stages per "
-                "process are not supported over NCCL yet (its grouped sends and receives could wait on each other "
-                "across two stages); use process_group_backend='gloo', or one stage per process")
+        if not ALL_SCHEDULES[self.schedule].runs_on_nccl and self._get_process_group_backend() == "nccl":
+            raise ConfigurationError(f"PipeStrategy: {ALL_SCHEDULES[self.schedule].nccl_refusal()} "
+                                     "(process_group_backend='gloo')")
         super().setup_environment()
         end_process_groups_at_exit(destroy=True)
         if self._groups_of is not dist.group.WORLD:  # once per strategy: Lightning sets up again for each fit,
@@ -346,11 +344,11 @@ class PipeStrategy(DDPStrategy):
                 hooks.support_finetuning(self, trainer.callbacks)
             v = self.stages_per_rank
             stages = f"{self.pp_size} stages" if v == 1 else f"{self.pp_size * v} stages ({v} per process)"
-            plan = ideal(self.schedule, self.pp_size, m, v if v > 1 else None)
+            simulated = ideal(self.schedule, self.pp_size, m, v if v > 1 else None)
             rank_zero_info(f"PipeStrategy: {stages} x {self.dp_size} replicas, schedule {self.schedule}, "
                            f"{m} microbatches, checkpoint {self.checkpoint}, body `{self.split.path}`, ideal bubble "
-                           f"{plan.bubble_fraction:.1%}, activations of up to {max(plan.peak_memory):g} microbatches "
-                           "per process\n" + "\n".join(self._stage_rows()))
+                           f"{simulated.bubble_fraction:.1%}, up to {max(simulated.peak_memory):.3g} microbatches in "
+                           "flight per process\n" + "\n".join(self._stage_rows()))
             # on_fit_start: the summary sees the whole model; the learning rate finder (Tuner.lr_find), which trains
             # and restores its checkpoint inside its on_fit_start, first in order, sees the split one
             finders = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, LearningRateFinder)]

@@ -94,11 +94,12 @@ def compare(num_stages: int, num_microbatches: int, virtual_stages: int = 2, for
              f"{'schedule':<17} {'stages/rank':>11} {'makespan':>9} {'bubble':>7} {'peak activations':>17}"]
     for name in sorted(ALL_SCHEDULES):
         spec = ALL_SCHEDULES[name]
-        v = spec.virtual_stages(virtual_stages if spec.stages_per_rank is None else None)
-        result = simulate(make_table(name, num_stages, num_microbatches, v if spec.stages_per_rank is None else None),
-                          forward_cost / v, backward_cost / v, comm_cost)
-        lines.append(f"{name:<17} {v:>11} {result.makespan:>9.4g} {result.bubble_fraction:>7.1%} "
-                     f"{max(result.peak_memory):>17.4g}")
+        chosen = virtual_stages if spec.stages_per_rank is None else None  # the others fix their stages per rank
+        v = spec.virtual_stages(chosen)
+        result = simulate(make_table(name, num_stages, num_microbatches, chosen), forward_cost / v, backward_cost / v,
+                          comm_cost)
+        lines.append(f"{name:<17} {v:>11} {result.makespan:>9g} {result.bubble_fraction:>7.1%} "
+                     f"{max(result.peak_memory):>17g}")
     return "\n".join(lines)
 
 
@@ -120,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--virtual-stages", type=int, default=2, help="stages per rank of interleaved_1f1b (default 2)")
     cmd.add_argument("--forward-cost", type=float, default=1.0,
                      help="one microbatch's forward through a rank's share of the model (default 1)")
-    cmd.add_argument("--backward-cost", type=float, default=2.0, help="its backward (default 2)")
+    cmd.add_argument("--backward-cost", type=float, default=2.0,
+                     help="its whole backward (default 2); split into I and W, each takes half (unlike show's drawing)")
     cmd.add_argument("--comm-cost", type=float, default=0.0, help="each message's latency (default 0)")
     return parser
 

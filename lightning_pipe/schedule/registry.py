@@ -32,6 +32,10 @@ class ScheduleSpec:
         stages_per_rank: the fixed number of stages per rank, or None when the caller chooses it
             with ``virtual_stages``.
         split_backward: whether the table splits backwards into ``I`` and ``W``.
+        runs_on_nccl: whether the NCCL transport runs it. It issues the sends and receives between
+            two compute actions as one group, and a group completes only once every peer has
+            posted its side; under the schedules marked False, two ranks' groups can each wait for
+            the other's (a deadlock once messages outgrow NCCL's buffers).
     """
 
     name: str
@@ -39,6 +43,7 @@ class ScheduleSpec:
     placement: str
     stages_per_rank: Optional[int]
     split_backward: bool
+    runs_on_nccl: bool = True
 
     def virtual_stages(self, virtual_stages: Optional[int] = None) -> int:
         """Return the number of stages per rank, checking a requested ``virtual_stages``."""
@@ -57,6 +62,12 @@ class ScheduleSpec:
             )
         return fixed
 
+    def nccl_refusal(self) -> str:
+        """Why the NCCL transport does not run this schedule, with what to do instead."""
+        return (f"schedule {self.name!r} does not run over NCCL yet: the NCCL transport issues the sends and receives "
+                "between two compute actions as one group, and under this schedule two ranks' groups can each wait "
+                "for the other's; use a gloo process group, or 'gpipe', '1f1b' or 'zb_h1'")
+
     def stage_ranks(self, num_ranks: int, virtual_stages: Optional[int] = None) -> tuple:
         """Return the rank of each stage, without building the table.
 
@@ -71,10 +82,10 @@ class ScheduleSpec:
 ALL_SCHEDULES = {
     "gpipe": ScheduleSpec("gpipe", gpipe, "loop", 1, False),
     "1f1b": ScheduleSpec("1f1b", one_f_one_b, "loop", 1, False),
-    "interleaved_1f1b": ScheduleSpec("interleaved_1f1b", interleaved_1f1b, "loop", None, False),
+    "interleaved_1f1b": ScheduleSpec("interleaved_1f1b", interleaved_1f1b, "loop", None, False, runs_on_nccl=False),
     "zb_h1": ScheduleSpec("zb_h1", zb_h1, "loop", 1, True),
-    "zb_h2": ScheduleSpec("zb_h2", zb_h2, "loop", 1, True),
-    "zbv": ScheduleSpec("zbv", zbv, "v", 2, True),
+    "zb_h2": ScheduleSpec("zb_h2", zb_h2, "loop", 1, True, runs_on_nccl=False),
+    "zbv": ScheduleSpec("zbv", zbv, "v", 2, True, runs_on_nccl=False),
 }
 
 

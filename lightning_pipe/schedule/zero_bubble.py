@@ -5,15 +5,15 @@ weight gradient, which nothing waits for, so ``W`` can move into what would be i
 ``p`` ranks, ``m`` microbatches; costs below assume ``F = I = W`` (the paper's assumption).
 
 * **ZB-H1** (the paper's section 2.1, Figure 3 top): 1F1B with the backward split, one stage per
-  rank. Rank ``r`` runs the same warm-up and the same ``F``/``I`` order as 1F1B, runs each ``W``
-  right after its ``I`` except the first ``r`` ones, which it puts off to the end, where they fill
+  rank. Rank ``r`` runs the same warm-up and the same ``F``/``I`` order as 1F1B, and each ``W``
+  ``r`` rounds after its ``I``: its last ``r`` weight gradients run at the end, where they fill
   the cool-down bubble. Makespan ``3m + p - 1`` for ``m >= p`` (bubble ``(p-1) / (3m + p - 1)``,
   a third of 1F1B's idle time); every rank holds at most ``p`` microbatches from ``F`` to ``W``,
   which is 1F1B's peak (rank 0's).
 * **ZB-H2** (section 2.2, Figure 3 bottom): ZB-H1 with more forwards in the warm-up. Rank ``r``
   runs ``2(p - 1 - r)`` warm-up forwards, so ``2(p - r) - 1`` forwards come before its first
-  ``I``: the time it would wait for its first output gradient is filled with forwards. It puts
-  off its first ``2r`` weight gradients (``r`` for ``m < 2p - 1``). Every rank then holds up to
+  ``I``: the time it would wait for its first output gradient is filled with forwards. It runs
+  each ``W`` ``2r`` rounds after its ``I`` (``r`` for ``m < 2p - 2``). Every rank then holds up to
   ``min(2p - 1, m)`` microbatches from ``F`` to ``W`` (ZB-H1: ``p``). The paper's zero bubble
   also needs its optimizer step without synchronization (post-validation); here a step ends
   with the optimizer step after every gradient, so under free messages the makespan is ZB-H1's,
@@ -71,13 +71,14 @@ def zb_h2(num_stages: int, num_microbatches: int) -> tuple:
     """
     check_grid(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
-    put_off = 2 if m >= 2 * p - 1 else 1  # with fewer microbatches, twice ZB-H1's put-off W only lengthen the step
+    put_off = 2 if m >= 2 * p - 2 else 1  # with fewer microbatches, twice ZB-H1's put-off W only lengthen the step
     return _split_one_f_one_b(p, m, [2 * (p - s - 1) for s in range(p)], [put_off * s for s in range(p)])
 
 
 def _split_one_f_one_b(num_stages: int, num_microbatches: int, warmups: list, put_off: list) -> tuple:
     """1F1B with the backward split: stage ``s`` runs ``warmups[s]`` forwards, then rounds of ``F I W``
-    (no ``F`` once every forward ran), its first ``put_off[s]`` ``W`` moved to the end of its row."""
+    (no ``F`` once every forward ran), each ``W`` ``put_off[s]`` rounds after its ``I`` (the last
+    ``put_off[s]`` at the end of the row)."""
     m = num_microbatches
     tables = []
     for s in range(num_stages):
