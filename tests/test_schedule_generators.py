@@ -11,6 +11,7 @@ from lightning_pipe.schedule import (
     forward_only,
     gpipe,
     gpipe_forward,
+    grouped_deadlock,
     interleaved_1f1b,
     make_table,
     one_f_one_b,
@@ -200,6 +201,21 @@ def test_runnable_schedules_unchanged_and_every_schedule_registered():
     assert [n for n, s in ALL_SCHEDULES.items() if s.split_backward] == ["zb_h1", "zb_h2", "zbv"]
     assert [n for n, s in ALL_SCHEDULES.items() if not s.runs_on_nccl] == ["interleaved_1f1b", "zb_h2", "zbv"]
     assert all(ALL_SCHEDULES[name].generator is SCHEDULES[name] for name in SCHEDULES)
+
+
+def test_runs_on_nccl_follows_the_grouped_rendezvous_model():
+    """The NCCL transport issues the communication between two compute actions as one group: the schedules
+    it runs never wait on each other under strict rendezvous; each refused one does at PipeStrategy's default
+    m = 2p for p = 2 (ZB-H2: rank 0 groups SF3 with RB1 and posts RB2 only after it, while rank 1 sends SB2
+    before it posts RF3)."""
+    for name, spec in ALL_SCHEDULES.items():
+        v = 2 if spec.stages_per_rank is None else None
+        stuck = [(p, m) for p in range(1, 7) for m in range(1, 2 * p + 4) if grouped_deadlock(make_table(name, p, m, v))]
+        assert (stuck == []) == spec.runs_on_nccl, (name, stuck)
+        assert spec.runs_on_nccl or (2, 4) in stuck, (name, stuck)
+    assert grouped_deadlock(make_table("zb_h2", 2, 4)) == (
+        "rank 0's group 3 waits for rank 1's group 4, behind its group 3; "
+        "rank 1's group 3 waits for rank 0's group 4, behind its group 3")
 
 
 def test_make_table_builds_every_schedule_like_its_generator():

@@ -3,6 +3,7 @@
 from lightning_pipe.schedule.action import Action, format_rows, parse_table
 from lightning_pipe.schedule.draw import format_table
 from lightning_pipe.schedule.gpipe import gpipe, gpipe_forward
+from lightning_pipe.schedule.grouped import grouped_deadlock
 from lightning_pipe.schedule.interleaved import interleaved_1f1b
 from lightning_pipe.schedule.lower import lower
 from lightning_pipe.schedule.one_f_one_b import one_f_one_b
@@ -27,6 +28,7 @@ __all__ = [
     "forward_only",
     "gpipe",
     "gpipe_forward",
+    "grouped_deadlock",
     "interleaved_1f1b",
     "lower",
     "make_table",

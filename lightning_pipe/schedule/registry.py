@@ -33,9 +33,9 @@ class ScheduleSpec:
             with ``virtual_stages``.
         split_backward: whether the table splits backwards into ``I`` and ``W``.
         runs_on_nccl: whether the NCCL transport runs it. It issues the sends and receives between
-            two compute actions as one group, and a group completes only once every peer has
-            posted its side; under the schedules marked False, two ranks' groups can each wait for
-            the other's (a deadlock once messages outgrow NCCL's buffers).
+            two compute actions as one group; under the schedules marked False, two ranks' groups
+            can each wait for the other's (a deadlock once messages outgrow NCCL's buffers), as
+            :func:`~lightning_pipe.schedule.grouped.grouped_deadlock` finds.
     """
 
     name: str
