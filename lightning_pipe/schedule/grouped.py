@@ -4,10 +4,11 @@ The NCCL transport issues the communication between two compute actions of a row
 ``batch_isend_irecv`` group; a rank's groups run one after another on one stream, in row order.
 The model here is strict rendezvous: every operation of a group is posted when its rank reaches
 the group (every earlier group of that rank done), an operation completes once its partner is
-posted too, and a group completes once all its operations have. Messages are matched in FIFO order per link, as :func:`validate` checks.
-NCCL completes a send whose data fits its buffers before the receive is posted, so a table this
-model passes never depends on that buffering, while one it refuses may run with small messages and
-hang once they outgrow the buffers. :attr:`ScheduleSpec.runs_on_nccl` follows this model.
+posted too, and a group completes once all its operations have. Messages are matched in FIFO
+order per link, as :func:`validate` checks. NCCL completes a send whose data fits its buffers
+before the receive is posted, so a table this model passes never depends on that buffering, while
+one it refuses may run with small messages and hang once they outgrow the buffers.
+:attr:`ScheduleSpec.runs_on_nccl` follows this model.
 """
 
 from __future__ import annotations
