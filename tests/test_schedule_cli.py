@@ -135,3 +135,11 @@ def test_the_commands_examples_run():
 
     result = doctest.testmod(module)
     assert result.attempted >= 3 and result.failed == 0
+
+
+def test_compare_prints_the_readme_table():
+    text = README.read_text()
+    command = "python -m lightning_pipe.schedule compare --stages 4 --microbatches 8 --comm-cost 0.5"
+    match = re.search(r"\$ " + re.escape(command) + r"\n(.*?)\n```", text, re.S)
+    assert match, "README.md no longer shows the compare command"
+    assert match.group(1) == compare(4, 8, comm_cost=0.5)
