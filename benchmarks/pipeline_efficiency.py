@@ -38,6 +38,11 @@ T_best (1.000: two busy cores with no bubble and no messages).
 blocking ``wait()`` on the main thread, as torch does, instead of through each link's helper
 thread: what the helper threads, which let a rank stop when a peer fails, cost.
 
+``--message-delay-ms D`` (measurement only) emulates a slow link for our schedules: each of their
+sends leaves D ms after the executor issues it (a thread per rank issues it then; the step also
+waits for its delayed sends to leave). Only our variants and no-comm run (torch's sends cannot be
+delayed the same way, so there is no y), and the simulated column uses D as each message's cost.
+
 Run: ``python benchmarks/pipeline_efficiency.py --quick`` (about 3 minutes on 2 cores).
 """
 
@@ -47,10 +52,12 @@ import argparse
 import math
 import os
 import pickle
+import queue
 import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -113,9 +120,14 @@ def make_batch(config: Config) -> Tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(config.batch_size, config.width, generator=generator)
 
 
-def variants() -> Tuple[str, ...]:
+def compared(args: argparse.Namespace) -> Tuple[str, ...]:
+    """The schedules torch runs too: every shared one, none when our sends are delayed."""
+    return () if args.message_delay_ms else SHARED
+
+
+def variants(torch_schedules: Tuple[str, ...] = SHARED) -> Tuple[str, ...]:
     return ("sequential",) + tuple(f"{who} {s}" for s in SCHEDULES for who in ("ours", "torch")
-                                   if who == "ours" or s in SHARED) + ("no-comm",)
+                                   if who == "ours" or s in torch_schedules) + ("no-comm",)
 
 
 # -- the variants' steps ------------------------------------------------------------------------
@@ -171,8 +183,45 @@ def wait_on_main_thread(pipe: lightning_pipe.Pipeline) -> None:
     pipe.transport.errors.wait = lambda work, what: work.wait()
 
 
-def make_steps(rank: int, config: Config, x, y,
-               main_thread_waits: bool = False) -> Tuple[nn.Module, Dict[str, Callable], Dict[str, object]]:
+class DelayedSends:
+    """Measurement only (``--message-delay-ms``): every send of a pipeline leaves ``delay`` seconds
+    after the executor issues it, in issue order, from one thread of this rank: a slow link."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self._queue: "queue.Queue" = queue.Queue()
+        self._works: list = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def wrap(self, pipe: lightning_pipe.Pipeline) -> None:
+        transport = pipe.transport
+        issue = transport.issue
+
+        def delayed(ops: list, pending=()) -> None:
+            sends = [op for op in ops if op.is_send]
+            issue([op for op in ops if not op.is_send], pending)
+            if sends:
+                self._queue.put((time.monotonic() + self.delay, transport._process_group, sends))
+
+        transport.issue = delayed
+
+    def _run(self) -> None:
+        while True:
+            due, group, sends = self._queue.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            self._works += [(group.send([op.tensor], op.peer, op.tag), op.tensor) for op in sends]
+            self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every delayed send has left."""
+        self._queue.join()
+        for work, _ in self._works:
+            work.wait()
+        self._works = []
+
+
+def make_steps(rank: int, config: Config, x, y, main_thread_waits: bool = False, delayed: Optional[DelayedSends] = None,
+               torch_schedules: Tuple[str, ...] = SHARED) -> Tuple[nn.Module, Dict[str, Callable], Dict[str, object]]:
     """Every pipelined variant's step on this rank, the no-comm stage and our pipelines by schedule."""
     m = config.num_microbatches
     steps: Dict[str, Callable] = {}
@@ -194,7 +243,10 @@ def make_steps(rank: int, config: Config, x, y,
             wait_on_main_thread(pipe)
         pipes[name] = pipe
         steps[f"ours {name}"] = lambda pipe=pipe: ours_step(pipe, x, y)
-        if name in SHARED:
+        if delayed is not None:
+            delayed.wrap(pipe)
+            steps[f"ours {name}"] = lambda pipe=pipe: (ours_step(pipe, x, y), delayed.flush())[0]
+        if name in torch_schedules:
             schedule = _torch_schedule(name, parts, pipe.stage_indices, m)
             steps[f"torch {name}"] = lambda s=schedule, parts=parts, pipe=pipe: torch_step(
                 s, parts, pipe.holds_first, pipe.holds_last, x, y)
@@ -203,14 +255,15 @@ def make_steps(rank: int, config: Config, x, y,
     return stage, steps, pipes
 
 
-def check_gradients(config: Config, pipes: Dict[str, object], steps: Dict[str, Callable], x, y) -> float:
+def check_gradients(config: Config, pipes: Dict[str, object], steps: Dict[str, Callable], x, y,
+                    torch_schedules: Tuple[str, ...] = SHARED) -> float:
     """Every pipelined variant computes the baseline's gradients (each rank checks its stages)."""
     reference = build_model(config)
     sequential_step(reference, x, y, config.num_microbatches)
     expected = dict(reference.named_parameters())
     worst = 0.0
     for name in SCHEDULES:
-        for who in ("ours", "torch") if name in SHARED else ("ours",):
+        for who in ("ours", "torch") if name in torch_schedules else ("ours",):
             dist.barrier()
             steps[f"{who} {name}"]()
             for part in pipes[name].modules:
@@ -258,14 +311,14 @@ def out_of_time(deadline: float) -> bool:
     return bool(flag.item())
 
 
-def record_steps(pipes: Dict[str, object], x, y, count: int) -> Dict[str, list]:
+def record_steps(pipes: Dict[str, object], steps: Dict[str, Callable], count: int) -> Dict[str, list]:
     """``count`` recorded steps of each of our schedules (after the timing, so it costs nothing there)."""
     records = {}
     for name, pipe in pipes.items():
         recorder = pipe.trace_steps()
         for _ in range(count):
             dist.barrier()
-            ours_step(pipe, x, y)
+            steps[f"ours {name}"]()
         pipe.stop_tracing()
         records[name] = recorder.records
     return records
@@ -276,10 +329,11 @@ def run_rounds(rank: int, args: argparse.Namespace) -> dict:
     config = TINY if args.tiny else DEFAULT
     deadline = time.monotonic() + args.max_seconds
     x, y = make_batch(config)
-    stage, steps, pipes = make_steps(rank, config, x, y, args.main_thread_waits)
-    gradient_error = check_gradients(config, pipes, steps, x, y)
+    delayed = DelayedSends(args.message_delay_ms / 1e3) if args.message_delay_ms else None
+    stage, steps, pipes = make_steps(rank, config, x, y, args.main_thread_waits, delayed, compared(args))
+    gradient_error = check_gradients(config, pipes, steps, x, y, compared(args))
     baseline = build_model(config) if rank == 0 else None
-    names = variants()
+    names = variants(compared(args))
     samples: Dict[str, List[Sample]] = {name: [] for name in names}
     idle_cpu = []
     for round_index in range(args.rounds):
@@ -293,7 +347,7 @@ def run_rounds(rank: int, args: argparse.Namespace) -> dict:
             samples[name].extend(got)
         if out_of_time(deadline):
             break
-    records = record_steps(pipes, x, y, max(3, args.steps))
+    records = record_steps(pipes, steps, max(3, args.steps))
     return dict(samples=samples, idle_cpu=idle_cpu, gradient_error=gradient_error, records=records)
 
 
@@ -325,21 +379,22 @@ def busy_fractions(per_rank: Dict[int, dict], name: str) -> List[Optional[float]
     return out
 
 
-def headline(medians: Dict[str, float], config: Config) -> Tuple[float, float, float, str]:
-    """``(efficiency_vs_ideal, vs_torch_pipelining, vs_machine_cap, our best schedule)``."""
+def headline(medians: Dict[str, float], config: Config,
+             torch_schedules: Tuple[str, ...] = SHARED) -> Tuple[float, float, float, str]:
+    """``(efficiency_vs_ideal, vs_torch_pipelining (nan without torch), vs_machine_cap, our best schedule)``."""
     p, m = NUM_RANKS, config.num_microbatches
     best = min(SCHEDULES, key=lambda s: medians[f"ours {s}"])
     t_best = medians[f"ours {best}"]
     efficiency = medians["sequential"] / (p * t_best) / (m / (m + p - 1))
-    ratios = [medians[f"torch {s}"] / medians[f"ours {s}"] for s in SHARED]
-    vs_torch = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    ratios = [medians[f"torch {s}"] / medians[f"ours {s}"] for s in torch_schedules]
+    vs_torch = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else math.nan
     return efficiency, vs_torch, medians["no-comm"] / t_best, best
 
 
-def format_table(per_rank, medians: Dict[str, float]) -> List[str]:
+def format_table(per_rank, medians: Dict[str, float], torch_schedules: Tuple[str, ...] = SHARED) -> List[str]:
     header = f"{'variant':<22} {'median ms/step':>14} {'p25-p75 ms':>15} {'vs sequential':>13}   busy (rank 0, rank 1)"
     lines = [header, "-" * len(header)]
-    for name in variants():
+    for name in variants(torch_schedules):
         times = sorted(step_times(per_rank, name))
         quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
         busy = busy_fractions(per_rank, name)
@@ -376,10 +431,11 @@ def breakdown(per_rank, medians: Dict[str, float], config: Config) -> List[str]:
     return lines
 
 
-def simulated(per_rank, medians: Dict[str, float], config: Config) -> List[str]:
+def simulated(per_rank, medians: Dict[str, float], config: Config, comm_cost: float = 0.0) -> List[str]:
     """Each schedule simulated with the mean measured duration of each action kind, against the run."""
+    messages = f"{comm_cost * 1e3:g} ms per message" if comm_cost else "free messages"
     lines = [f"{'schedule':<18} {'sim bubble':>10} {'sim ms':>8} {'measured ms':>11} {'measured/sim':>12}   "
-             "(sim: the table replayed with measured mean F, B, I, W per stage, free messages)"]
+             f"(sim: the table replayed with measured mean F, B, I, W per stage, {messages})"]
     for name in SCHEDULES:
         durations: Dict[str, List[float]] = {}
         for r in sorted(per_rank):
@@ -388,7 +444,7 @@ def simulated(per_rank, medians: Dict[str, float], config: Config) -> List[str]:
                     durations.setdefault(a.kind, []).append(e - b)
         cost = {kind: _mean(values) for kind, values in durations.items()}
         table = make_table(name, NUM_RANKS, config.num_microbatches, VIRTUAL.get(name))
-        result = simulate(table, cost.get("F", 1.0), cost.get("B", 2 * cost.get("F", 1.0)),
+        result = simulate(table, cost.get("F", 1.0), cost.get("B", 2 * cost.get("F", 1.0)), comm_cost,
                           input_cost=cost.get("I"), weight_cost=cost.get("W"))
         measured = medians[f"ours {name}"]
         lines.append(f"{name:<18} {result.bubble_fraction:>10.3f} {result.makespan * 1e3:>8.1f} {measured * 1e3:>11.1f} "
@@ -411,21 +467,24 @@ def notes(medians: Dict[str, float], idle_cpu: List[float], best: str, config: C
 
 def summarize(per_rank, args: argparse.Namespace) -> List[str]:
     config = TINY if args.tiny else DEFAULT
-    medians = {name: statistics.median(step_times(per_rank, name)) for name in variants()}
-    efficiency, vs_torch, vs_machine, best = headline(medians, config)
+    torch_schedules = compared(args)
+    medians = {name: statistics.median(step_times(per_rank, name)) for name in variants(torch_schedules)}
+    efficiency, vs_torch, vs_machine, best = headline(medians, config, torch_schedules)
     rounds = len(step_times(per_rank, "sequential")) // args.steps
     idle_cpu = per_rank[1]["idle_cpu"]
     return [
         config.describe() + ("; ours waiting on the main thread (--main-thread-waits, measurement only)"
-                             if args.main_thread_waits else ""),
+                             if args.main_thread_waits else "")
+        + (f"; our sends delayed {args.message_delay_ms:g} ms (--message-delay-ms, measurement only; torch not run)"
+           if args.message_delay_ms else ""),
         f"{rounds} rounds x ({args.warmup} warm-up + {args.steps} timed steps) per variant; median over "
         f"{rounds * args.steps} steps" + (" (stopped early: --max-seconds)" if rounds < args.rounds else ""),
-        "", *format_table(per_rank, medians), "",
+        "", *format_table(per_rank, medians, torch_schedules), "",
         *notes(medians, idle_cpu, best, config), "",
         *breakdown(per_rank, medians, config), "",
-        *simulated(per_rank, medians, config), "",
+        *simulated(per_rank, medians, config, args.message_delay_ms / 1e3), "",
         "ours vs torch per schedule (torch ms / ours ms): "
-        + ", ".join(f"{s} {medians[f'torch {s}'] / medians[f'ours {s}']:.3f}" for s in SHARED),
+        + (", ".join(f"{s} {medians[f'torch {s}'] / medians[f'ours {s}']:.3f}" for s in torch_schedules) or "n/a"),
         f"efficiency_vs_ideal={efficiency:.3f} vs_torch_pipelining={vs_torch:.3f} vs_machine_cap={vs_machine:.3f} "
         f"best={best}",
     ]
@@ -440,6 +499,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed steps per variant and round (default 1)")
     parser.add_argument("--main-thread-waits", action="store_true",
                         help="measurement only: our waits block the main thread as torch's do (no fail-fast)")
+    parser.add_argument("--message-delay-ms", type=float, default=0.0,
+                        help="measurement only: our sends leave this late (a slow link); torch is not run")
     parser.add_argument("--max-seconds", type=float, help="start no new round after this long (default 600, --quick 150)")
     args = parser.parse_args()
     defaults = (6, 3, 1, 150.0) if args.quick else (20, 5, 1, 600.0)
