@@ -1,7 +1,8 @@
 """Checks that need a GPU, run by hand on a CUDA machine (CI has none).
 
-1. NCCL transport: two ranks run GPipe and 1F1B and must match the unpipelined model's
-   gradients; the peak CUDA memory of each is printed. Needs two GPUs: NCCL 2.28 refuses two
+1. NCCL transport: two ranks run GPipe, 1F1B and ZB-H1 and must match the unpipelined model's
+   gradients; the peak CUDA memory of each is printed; ZB-H2 must be refused with a
+   ConfigurationError before any communication (its grouped messages could deadlock). Needs two GPUs: NCCL 2.28 refuses two
    ranks on one device ("Duplicate GPU detected"), so on one GPU this check reports that error.
 2. PipeStrategy on one GPU (NCCL, ``precision="bf16-mixed"``): the body runs under bf16 autocast
    and training matches Lightning's DDP with the same precision.
@@ -23,7 +24,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lightning_pipe import GPipe, PipeDream, partition  # noqa: E402
+from lightning_pipe import ConfigurationError, GPipe, PipeDream, ZeroBubbleH1, ZeroBubbleH2, partition  # noqa: E402
 
 
 def _model(width: int = 1024, depth: int = 8) -> nn.Sequential:
@@ -43,7 +44,7 @@ def _nccl_rank(rank: int, world: int, store_path: str, results) -> None:
         y = torch.randn(64, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
         nn.functional.mse_loss(reference(x), y).backward()
         report = {}
-        for name, cls in (("gpipe", GPipe), ("1f1b", PipeDream)):
+        for name, cls in (("gpipe", GPipe), ("1f1b", PipeDream), ("zb_h1", ZeroBubbleH1)):
             stage = partition(copy.deepcopy(full), rank, world)
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -54,6 +55,11 @@ def _nccl_rank(rank: int, world: int, store_path: str, results) -> None:
             worst = max((p.grad - grads[n].grad).abs().max().item() for n, p in stage.named_parameters())
             report[name] = {"max_grad_diff": worst, "peak_MiB": (torch.cuda.max_memory_allocated() - base) / 2**20,
                             "meter_peak_KiB": pipe.stage.meter.peak_bytes / 1024}
+        try:
+            ZeroBubbleH2(partition(copy.deepcopy(full), rank, world), chunks=8)
+            report["zb_h2"] = "NOT refused"
+        except ConfigurationError as error:
+            report["zb_h2"] = f"refused: {str(error)[:60]}..."
         results.put((rank, "ok", report))
         dist.destroy_process_group()
     except Exception:
