@@ -90,7 +90,7 @@ class PipeStrategy(DDPStrategy):
             (zero bubble H1: backward split into input and weight gradients, the weight gradients
             filling the bubble, at 1F1B's activation memory), or ``"zb_h2"`` (ZB-H1 with ``pipe_size - 1``
             more microbatches in flight per process: the same ideal bubble, far less lost to slow
-            messages), or ``"interleaved_1f1b"`` (Megatron-LM's
+            messages; gloo only for now), or ``"interleaved_1f1b"`` (Megatron-LM's
             interleaved 1F1B: ``virtual_stages`` stages per process, about ``virtual_stages`` times
             less bubble than 1F1B, more messages), or ``"zbv"`` (ZB-V: two stages per process in a V,
             process ``r`` holding stages ``r`` and ``2 * pipe_size - 1 - r``, backwards split as in
@@ -122,7 +122,8 @@ class PipeStrategy(DDPStrategy):
         log_pipeline_metrics: every ``log_every_n_steps`` steps, measure one step and log to the
             trainer's logger (global rank 0) ``pipe/bubble_fraction``, ``pipe/busy_fraction/stage_<s>``,
             ``pipe/wait_seconds/stage_<s>``, ``pipe/step_seconds`` and ``pipe/samples_per_second``.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; default: the accelerator's.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default: the accelerator's. NCCL runs
+            ``"gpipe"``, ``"1f1b"`` and ``"zb_h1"``; the other schedules are refused there.
         timeout: how long a rank waits for a message or collective before failing: a ``timedelta`` or
             seconds.
         start_method: only ``"popen"`` (Lightning's default for DDP): the spawn and fork launchers
