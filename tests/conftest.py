@@ -56,6 +56,7 @@ LM_LAUNCHES = {
         _spec("fp16_p2", "fp16", "pipe", 2, fp16_scale=256.0), _spec("fp16_ddp2", "fp16", "ddp", 2, fp16_scale=256.0),
         _spec("sum_ddp2", "sum", "ddp", 2, epochs=3),
         _spec("sum_ddp2_acc", "sum", "ddp", 2, epochs=3, accumulate={"1": 2}),
+        _spec("sum_ddp2_clip", "sum", "ddp", 2, epochs=3, clip=0.5),
         _spec("experts_ddp2", "experts", "ddp_find_unused_parameters_true", 2, epochs=3),
         _spec("experts_before_ddp2", "experts_before", "ddp_find_unused_parameters_true", 2, epochs=3),
         dict(name="test_weight_averaging_ddp2", app="test_weight_averaging", strategy="ddp2", devices=2),
@@ -91,6 +92,8 @@ LM_LAUNCHES = {
         _spec("sum_2x2", "sum", "pipe", 4, pipe_size=2, schedule="zb_h1", epochs=3),
         # GradientAccumulationScheduler: one batch per optimizer step in epoch 0, two from epoch 1
         _spec("sum_2x2_acc", "sum", "pipe", 4, pipe_size=2, schedule="zb_h1", epochs=3, accumulate={"1": 2}),
+        # clipped by the global norm, which every replica must take after the average overlapped with the backward
+        _spec("sum_2x2_clip", "sum", "pipe", 4, pipe_size=2, schedule="zb_h2", epochs=3, clip=0.5),
         _spec("experts_2x2", "experts", "pipe", 4, pipe_size=2, epochs=3),
         _spec("experts_before_2x2", "experts_before", "pipe", 4, pipe_size=2, epochs=3),
         _spec("llama_2x2v2", "llama", "pipe", 4, pipe_size=2, schedule="interleaved_1f1b", virtual_stages=2,

@@ -117,6 +117,16 @@ def test_two_stages_times_two_replicas_equal_ddp_on_two_devices(lm_runs, name):
     assert_same_training(lm_runs("world4")[0][name], lm_runs("world2")[0]["llama_ddp2"])
 
 
+def test_replicas_clipped_by_the_global_norm_after_the_overlapped_average_equal_ddp(lm_runs):
+    """pp=2 x dp=2 under ZB-H2, the replica average started in the backward, then clipping by the norm over
+    both stages (gradient_clip_val=0.5, which the summed loss's gradients exceed): DDP's weights."""
+    results, ddp = lm_runs("world4")[0], lm_runs("world2")[0]
+    assert results["sum_2x2_clip"]["started_early"] == 1
+    assert_same_training(results["sum_2x2_clip"], ddp["sum_ddp2_clip"])
+    clipped, unclipped = ddp["sum_ddp2_clip"]["state_dict"], ddp["sum_ddp2"]["state_dict"]
+    assert any(not torch.allclose(clipped[k], unclipped[k]) for k in clipped), "the clip never clipped"
+
+
 def test_replicas_average_inside_the_step_as_ddp_averages(lm_runs):
     """pp=2 x dp=2: from the second step the replica all-reduce starts in the backward (one batch per
     optimizer step, no num_items); the weights still equal DDP's. With num_items it waits for the
