@@ -143,3 +143,15 @@ def test_compare_prints_the_readme_table():
     match = re.search(r"\$ " + re.escape(command) + r"\n(.*?)\n```", text, re.S)
     assert match, "README.md no longer shows the compare command"
     assert match.group(1) == compare(4, 8, comm_cost=0.5)
+
+
+def test_compare_gives_the_closed_forms_with_free_messages():
+    """p = 3, m = 6, F = 2 and B = 4 per microbatch through a rank's share (I = W = 2; a stage of a rank
+    holding two is half of it): (m + p - 1)(F + B) for GPipe and 1F1B, 3 (v m + p - 1) for interleaved,
+    2 (3m + p - 1) for ZB-H1 and ZB-H2, 6m + p - 1 for ZB-V; peaks p, m, p + (p - 1) / v, p, 2p - 1, p."""
+    rows = _compared(compare(3, 6, forward_cost=2, backward_cost=4))
+    assert {name: (row[1], row[3]) for name, row in rows.items()} == {
+        "1f1b": (48, 3), "gpipe": (48, 6), "interleaved_1f1b": (42, 4), "zb_h1": (40, 3), "zb_h2": (40, 5),
+        "zbv": (38, 3)}
+    assert {name: row[2] for name, row in rows.items()} == {
+        "1f1b": 25.0, "gpipe": 25.0, "interleaved_1f1b": 14.3, "zb_h1": 10.0, "zb_h2": 10.0, "zbv": 5.3}
