@@ -274,9 +274,9 @@ class PipeStrategy(DDPStrategy):
                 + (f", virtual_stages={self.virtual_stages}" if self.virtual_stages is not None else "") + ") places "
                 f"{self.stages_per_rank} stages on each process of a pipeline of several, but pipe_size is {self.pp_size} "
                 f"({self.world_size} processes); use pipe_size >= 2, or schedule='1f1b' without virtual_stages")
-        if not ALL_SCHEDULES[self.schedule].runs_on_nccl and self._get_process_group_backend() == "nccl":
-            raise ConfigurationError(f"PipeStrategy: {ALL_SCHEDULES[self.schedule].nccl_refusal()} "
-                                     "(process_group_backend='gloo')")
+        spec = ALL_SCHEDULES[self.schedule]
+        if not spec.runs_on_nccl and self._get_process_group_backend() == "nccl":
+            raise ConfigurationError(f"PipeStrategy: {spec.nccl_refusal()} (process_group_backend='gloo')")
         super().setup_environment()
         end_process_groups_at_exit(destroy=True)
         if self._groups_of is not dist.group.WORLD:  # once per strategy: Lightning sets up again for each fit,

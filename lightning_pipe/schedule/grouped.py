@@ -4,8 +4,10 @@ The NCCL transport issues the communication between two compute actions of a row
 ``batch_isend_irecv`` group; a rank's groups run one after another on one stream, in row order.
 The model here is strict rendezvous: every operation of a group is posted when its rank reaches
 the group (every earlier group of that rank done), an operation completes once its partner is
-posted too, and a group completes once all its operations have. Messages are matched in FIFO
-order per link, as :func:`validate` checks. NCCL completes a send whose data fits its buffers
+posted too, and a group completes once all its operations have. A send and a receive match when
+they name the same message (kind, stages, microbatch), as in :func:`simulate`; on a table that
+:func:`validate` passes that is also the FIFO order of each link, which the transport follows.
+NCCL completes a send whose data fits its buffers
 before the receive is posted, so a table this model passes never depends on that buffering, while
 one it refuses may run with small messages and hang once they outgrow the buffers.
 :attr:`ScheduleSpec.runs_on_nccl` follows this model.
@@ -17,32 +19,27 @@ from typing import Dict, List, Optional, Tuple
 
 from lightning_pipe.schedule.action import COMPUTE_KINDS
 from lightning_pipe.schedule.lower import is_lowered, lower
-from lightning_pipe.schedule.placement import stage_ranks
 from lightning_pipe.schedule.simulate import MESSAGE_OF, SENDS
 
-Operation = Tuple[str, tuple, int]  # ("S" or "R", link, n-th message on the link)
+Operation = Tuple[str, tuple]  # ("S" or "R", the message: kind, source stage, target stage, microbatch)
 
 
 def _groups(tables: tuple) -> List[List[List[Operation]]]:
     """Per rank, its groups: the operations of each maximal run of sends and receives in its row."""
-    ranks = stage_ranks(tables)
-    counts: Dict[Tuple[str, tuple], int] = {}
     per_rank = []
-    for r, row in enumerate(tables):
+    for row in tables:
         groups: List[List[Operation]] = []
         block: List[Operation] = []
         for action in row:
-            if action.kind in COMPUTE_KINDS:
+            kind, stage, microbatch, peer = action
+            if kind in COMPUTE_KINDS:
                 if block:
                     groups.append(block)
                     block = []
-                continue
-            peer = ranks[action.peer]
-            side = "S" if action.kind in SENDS else "R"
-            link = (MESSAGE_OF[action.kind], r, peer) if side == "S" else (MESSAGE_OF[action.kind], peer, r)
-            n = counts.get((side, link), 0)
-            counts[(side, link)] = n + 1
-            block.append((side, link, n))
+            elif kind in SENDS:
+                block.append(("S", (MESSAGE_OF[kind], stage, peer, microbatch)))
+            else:
+                block.append(("R", (MESSAGE_OF[kind], peer, stage, microbatch)))
         if block:
             groups.append(block)
         per_rank.append(groups)
@@ -67,8 +64,8 @@ def grouped_deadlock(tables: tuple) -> Optional[str]:
         moved = False
         for r, rank_groups in enumerate(groups):
             while current[r] < len(rank_groups) and all(
-                    current[peer] >= g for peer, g in (where[("R" if side == "S" else "S", link, n)]
-                                                       for side, link, n in rank_groups[current[r]])):
+                    current[peer] >= g for peer, g in (where[("R" if side == "S" else "S", message)]
+                                                       for side, message in rank_groups[current[r]])):
                 current[r] += 1
                 moved = True
         if all(current[r] == len(rank_groups) for r, rank_groups in enumerate(groups)):
@@ -78,8 +75,8 @@ def grouped_deadlock(tables: tuple) -> Optional[str]:
     waits = []
     for r, rank_groups in enumerate(groups):
         if current[r] < len(rank_groups):
-            for side, link, n in rank_groups[current[r]]:
-                peer, g = where[("R" if side == "S" else "S", link, n)]
+            for side, message in rank_groups[current[r]]:
+                peer, g = where[("R" if side == "S" else "S", message)]
                 if current[peer] < g:
                     waits.append(f"rank {r}'s group {current[r]} waits for rank {peer}'s group {g}, "
                                  f"behind its group {current[peer]}")

@@ -64,9 +64,10 @@ class ScheduleSpec:
 
     def nccl_refusal(self) -> str:
         """Why the NCCL transport does not run this schedule, with what to do instead."""
+        runnable = [repr(name) for name, spec in ALL_SCHEDULES.items() if spec.runs_on_nccl]
         return (f"schedule {self.name!r} does not run over NCCL yet: the NCCL transport issues the sends and receives "
                 "between two compute actions as one group, and under this schedule two ranks' groups can each wait "
-                "for the other's; use a gloo process group, or 'gpipe', '1f1b' or 'zb_h1'")
+                f"for the other's; use a gloo process group, or {', '.join(runnable[:-1])} or {runnable[-1]}")
 
     def stage_ranks(self, num_ranks: int, virtual_stages: Optional[int] = None) -> tuple:
         """Return the rank of each stage, without building the table.
