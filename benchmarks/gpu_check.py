@@ -2,8 +2,9 @@
 
 1. NCCL transport: two ranks run GPipe, 1F1B and ZB-H1 and must match the unpipelined model's
    gradients; the peak CUDA memory of each is printed; ZB-H2 must be refused with a
-   ConfigurationError before any communication (its grouped messages could deadlock). Needs two GPUs: NCCL 2.28 refuses two
-   ranks on one device ("Duplicate GPU detected"), so on one GPU this check reports that error.
+   ConfigurationError before any communication (its grouped messages could deadlock). Needs two
+   GPUs: NCCL 2.28 refuses two ranks on one device ("Duplicate GPU detected"), so on one GPU this
+   check reports that error.
 2. PipeStrategy on one GPU (NCCL, ``precision="bf16-mixed"``): the body runs under bf16 autocast
    and training matches Lightning's DDP with the same precision.
 

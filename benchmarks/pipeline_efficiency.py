@@ -242,8 +242,9 @@ def make_steps(rank: int, config: Config, x, y, main_thread_waits: bool = False,
         if main_thread_waits:
             wait_on_main_thread(pipe)
         pipes[name] = pipe
-        steps[f"ours {name}"] = lambda pipe=pipe: ours_step(pipe, x, y)
-        if delayed is not None:
+        if delayed is None:
+            steps[f"ours {name}"] = lambda pipe=pipe: ours_step(pipe, x, y)
+        else:
             delayed.wrap(pipe)
             steps[f"ours {name}"] = lambda pipe=pipe: (ours_step(pipe, x, y), delayed.flush())[0]
         if name in torch_schedules:
@@ -330,10 +331,11 @@ def run_rounds(rank: int, args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + args.max_seconds
     x, y = make_batch(config)
     delayed = DelayedSends(args.message_delay_ms / 1e3) if args.message_delay_ms else None
-    stage, steps, pipes = make_steps(rank, config, x, y, args.main_thread_waits, delayed, compared(args))
-    gradient_error = check_gradients(config, pipes, steps, x, y, compared(args))
+    torch_schedules = compared(args)
+    stage, steps, pipes = make_steps(rank, config, x, y, args.main_thread_waits, delayed, torch_schedules)
+    gradient_error = check_gradients(config, pipes, steps, x, y, torch_schedules)
     baseline = build_model(config) if rank == 0 else None
-    names = variants(compared(args))
+    names = variants(torch_schedules)
     samples: Dict[str, List[Sample]] = {name: [] for name in names}
     idle_cpu = []
     for round_index in range(args.rounds):
