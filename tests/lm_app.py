@@ -438,11 +438,11 @@ class ParameterFreeEnd(LMBase):
 
 
 class Unbalanced(pl.LightningModule):
-    """6 Linear layers, then 4 parameter-free token-mixing blocks that cost dozens of Linear layers each."""
+    """6 Linear layers, then ``mixes`` parameter-free token-mixing blocks that cost dozens of Linear layers each."""
 
-    def __init__(self) -> None:
+    def __init__(self, mixes: int = 4) -> None:
         super().__init__()
-        self.body = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)], *[TokenMix() for _ in range(4)])
+        self.body = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)], *[TokenMix() for _ in range(mixes)])
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
@@ -670,7 +670,8 @@ CASES = {
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
-    "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
+    "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
+    "unbalanced_pair": (lambda: Unbalanced(mixes=2), "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),
     "hf_mistral": (lambda: HFCausalLM("mistral"), "encodings"), "hf_meta": (HFMetaLlama, "tokens"),
     "hf_bart": (lambda: HFCausalLM("bart"), "tokens"),
