@@ -14,8 +14,25 @@ import time
 import weakref
 from datetime import timedelta
 
+import pytest
+
+from lightning_pipe import arrivals as arrivals_module
+from lightning_pipe import faults
 from lightning_pipe.arrivals import Arrivals
 from lightning_pipe.faults import ErrorChannel, end_helper_threads
+
+# Idle threads here wait a minute, not a second, before ending on their own; the bounds below are seconds.
+# A thread that has ended on its idle timeout cannot show whether it kept a work, or that ending it was prompt,
+# and a busy machine can stall a test for a second.
+SLOW = 5.0
+
+
+@pytest.fixture(autouse=True)
+def idle_for_a_minute(monkeypatch):
+    monkeypatch.setattr(arrivals_module, "_IDLE_SECONDS", 60.0)
+    monkeypatch.setattr(faults._Waiter, "_IDLE_SECONDS", 60.0)
+    yield
+    end_helper_threads()  # none left to the next test, idle for a minute
 
 
 class _Work:
@@ -29,7 +46,7 @@ def _helpers_alive() -> list:
     return [t.name for t in threading.enumerate() if t.name.startswith("lightning_pipe-")]
 
 
-def _freed(ref: weakref.ref, within: float = 0.5) -> bool:
+def _freed(ref: weakref.ref, within: float = SLOW) -> bool:
     deadline = time.monotonic() + within
     while ref() is not None and time.monotonic() < deadline:
         gc.collect()
@@ -70,7 +87,7 @@ def test_end_helper_threads_ends_idle_threads_at_once_and_they_start_again_on_de
     start = time.monotonic()
     end_helper_threads()
     assert not _helpers_alive(), _helpers_alive()
-    assert time.monotonic() - start < 0.5, "ended on their idle timeout, not when asked"
+    assert time.monotonic() - start < SLOW, "ended on their idle timeout, not when asked"
     arrivals.take(arrivals.watch(("peer", 1), [_Work()]), "a stand-in message")  # a stopped link serves again
     errors.wait(_Work(), "a stand-in work")
     end_helper_threads()
