@@ -209,12 +209,14 @@ def test_float16_mixed_precision_skips_the_same_steps_as_ddp(lm_runs, launch, na
     a step taken by one run and skipped by the other moves AdamW weights by about lr = 1e-2, and
     AdamW moves a weight whose gradient is about 0 by +-lr, whose sign that rounding may flip (seen
     on one AMD EPYC: 1 weight of 512 off by 0.019, the rest within 1e-3, and a logged gradient norm
-    off by 1.09e-3 of its value)."""
+    off by 1.09e-3 of its value; 0.0196 on an Intel Xeon). ``flips`` allows two such flips of one weight
+    (2 x 2 lr), since another CPU's vector width rounds differently again; a skipped step taken by one
+    run only would move nearly every weight by about lr, far beyond the 1 % of elements allowed."""
     got = lm_runs(launch)[0][name]
     want = lm_runs("reference" if reference == "fp16" else "world2")[0][reference]
     assert want["loss_scale"] == got["loss_scale"] == 128.0  # 256 halved once: one step skipped everywhere
     assert all(float(r["train_loss"]) < 10 for r in want["csv"] if r.get("train_loss"))  # the losses stay finite
-    assert_same_training(got, want, rtol=5e-3, atol=1e-3, flips=2.5e-2)  # float16's epsilon is 9.8e-4
+    assert_same_training(got, want, rtol=5e-3, atol=1e-3, flips=4.5e-2)  # float16's epsilon is 9.8e-4
 
 
 # -- two stages per process: interleaved 1F1B (process r holds stages r and r + 2) and ZB-V (r and 3 - r)
