@@ -25,7 +25,10 @@ skipped its rerun of the code before the body after the first step (``embed``, w
 feeds the body: see :mod:`lightning_pipe.lightning.stale`); and, after the pipelined run, Lightning's
 own loop on one process: a single-device Trainer step on the whole model over a plain loop step
 (median of the per-step differences), which any Lightning run pays, with the ratio left once it is
-taken off (``glue_own_vs_plain``). The last line is ``glue_vs_plain=<x>``: the median Lightning
+taken off (``glue_own_vs_plain``); and the same split measured inside the pipelined run on rank 0
+(``glue_own_in_run_vs_plain``: the time in PipeStrategy's ``training_step`` and ``backward`` and in
+the optimizer's own ``step`` and ``zero_grad``, less Lightning's ``self.log`` that the strategy
+replays, over the plain step; every wait inside the strategy's hooks counts as ours). The last line is ``glue_vs_plain=<x>``: the median Lightning
 step over the median plain step (goal: at most 1.05). The line before the last two gives the
 median of the per-pair ratios, which cancels slow drift better.
 
@@ -79,6 +82,9 @@ class StepTimer(pl.Callback):
         self.times, self.plain_times, self._start, self._plain = [], [], 0.0, None
         self.log_times = []  # per step: stage 0's log replay
         self.skipped = False  # whether the last stage skipped its rerun of `embed`
+        # per step, on this rank: seconds in PipeStrategy.training_step and .backward (ours), and in the optimizer's
+        # own step and zero_grad, its closure (the user's step, Lightning's closure and ours) excluded (torch's)
+        self.ours, self.optimizer = [], []
 
     def on_train_start(self, trainer, pl_module):
         self._plain = PlainSteps(dist.get_rank())
@@ -90,9 +96,45 @@ class StepTimer(pl.Callback):
             self.log_times[-1] += time.perf_counter() - start
 
         logs.replay = timed_replay  # the strategy calls logs.replay once a step, after the pipelined step
+        # Lightning looks each up on the instance when it calls it
+        strategy, optimizer = trainer.strategy, trainer.optimizers[0]
+        for name in ("training_step", "backward"):
+            setattr(strategy, name, self._timed(getattr(strategy, name), self.ours))
+        optimizer.zero_grad = self._timed(optimizer.zero_grad, self.optimizer)
+        step = optimizer.step
+
+        def step_without_closure(closure=None):
+            start, inside = time.perf_counter(), [0.0]
+
+            def timed_closure():
+                begin = time.perf_counter()
+                try:
+                    return closure()
+                finally:
+                    inside[0] += time.perf_counter() - begin
+
+            try:
+                return step(closure=timed_closure if closure is not None else None)
+            finally:
+                self.optimizer[-1] += time.perf_counter() - start - inside[0]
+
+        optimizer.step = step_without_closure
+
+    @staticmethod
+    def _timed(method, totals):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals[-1] += time.perf_counter() - start
+
+        return timed
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.log_times.append(0.0)
+        self.ours.append(0.0)
+        self.optimizer.append(0.0)
         dist.barrier()  # both steps start with the ranks together (see the module's docstring)
         self._start = time.perf_counter()
 
@@ -203,6 +245,15 @@ def main() -> None:
         print(f"Lightning's own loop on one process (a single-device Trainer step over a plain loop step, the whole "
               f"model, its self.log included): {1e3 * loop:.2f} ms; without it: glue_own_vs_plain="
               f"{(ours - loop) / base:.3f}")
+        # the same split inside the pipelined run, per step on rank 0: Lightning's loop is what is left of the step
+        # outside PipeStrategy.training_step and .backward and the optimizer's own step and zero_grad, plus its
+        # self.log that the strategy replays; this counts every wait inside the strategy's hooks as ours
+        steps = list(zip(timer.times, timer.ours, timer.optimizer, timer.log_times))[WARMUP:]
+        in_run = statistics.median(t - o - opt + log_ for t, o, opt, log_ in steps)
+        own = statistics.median(o + opt - log_ for _, o, opt, log_ in steps)
+        print(f"Lightning's own loop in this run (rank 0: the step outside PipeStrategy's training_step and backward "
+              f"and the optimizer's own step and zero_grad, plus its self.log): {1e3 * in_run:.2f} ms; the rest over "
+              f"the plain step: glue_own_in_run_vs_plain={own / base:.3f}")
         print(f"glue_vs_plain={ours / base:.3f}")
 
 
