@@ -28,9 +28,10 @@ own loop on one process: a single-device Trainer step on the whole model over a 
 taken off (``glue_own_vs_plain``); and the same split measured inside the pipelined run on rank 0
 (``glue_own_in_run_vs_plain``: the time in PipeStrategy's ``training_step`` and ``backward`` and in
 the optimizer's own ``step`` and ``zero_grad``, less Lightning's ``self.log`` that the strategy
-replays, over the plain step; every wait inside the strategy's hooks counts as ours). The last line is ``glue_vs_plain=<x>``: the median Lightning
-step over the median plain step (goal: at most 1.05). The line before the last two gives the
-median of the per-pair ratios, which cancels slow drift better.
+replays, over the plain step; every wait inside the strategy's hooks counts as ours). The last
+line is ``glue_vs_plain=<x>``: the median Lightning step over the median plain step (goal: at most
+1.05). The line before the last three gives the median of the per-pair ratios, which cancels slow
+drift better.
 
     python benchmarks/glue_cost.py      # about 30 s on 2 cores; Lightning starts rank 1 itself
 """
