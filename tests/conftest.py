@@ -105,6 +105,11 @@ LM_LAUNCHES = {
 }
 
 
+def run_warnings(root, name):
+    """Every warning of PipeStrategy's step checks that run ``name`` of an lm_app launch showed, on any rank."""
+    return [w for path in sorted((root / name).glob("warnings_*.json")) for w in json.loads(path.read_text())]
+
+
 def stop_reasons(output):
     """{global rank: why it stopped} from the line PipeStrategy logs on each rank as it fails."""
     return {int(rank): reason for rank, reason in re.findall(r"^\[rank: (\d+)\] stopped: (.*)$", output, re.M)}

@@ -33,10 +33,12 @@ Trainer), so the test files with an app of their own share these launches' proce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -802,6 +804,27 @@ def run(spec: dict, root: str) -> dict:
     }
 
 
+@contextlib.contextmanager
+def recorded_warnings(root: str, name: str):
+    """Within one run: show every warning of PipeStrategy's checks of the user's step, not only the first
+    of each text in the process (the launch's PYTHONWARNINGS ``default``), and write them to
+    ``<root>/<name>/warnings_<rank>.json``, so that a test can tell which run warned and how often."""
+    seen = []
+    with warnings.catch_warnings():  # restores the filters and showwarning
+        warnings.filterwarnings("always", module=r"lightning_pipe\.lightning\.(effects|steps)")
+        show = warnings.showwarning
+
+        def record(message, *args, **kwargs):
+            seen.append(str(message))
+            show(message, *args, **kwargs)
+
+        warnings.showwarning = record
+        yield
+    os.makedirs(os.path.join(root, name), exist_ok=True)
+    with open(os.path.join(root, name, f"warnings_{_global_rank()}.json"), "w") as f:
+        json.dump(seen, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
@@ -810,7 +833,8 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     for spec in json.loads(args.runs):
-        results[spec["name"]] = run(spec, args.root)
+        with recorded_warnings(args.root, spec["name"]):
+            results[spec["name"]] = run(spec, args.root)
     if _global_rank() == 0 and results and all(results.values()):
         torch.save(results, args.out)
     end_process_groups()  # Lightning leaves DDP's groups to the interpreter's finalization, where gloo can abort
