@@ -89,14 +89,7 @@ class StepTimer(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         self._plain = PlainSteps(dist.get_rank())
-        replay = logs.replay
-
-        def timed_replay(*args, **kwargs):
-            start = time.perf_counter()
-            replay(*args, **kwargs)
-            self.log_times[-1] += time.perf_counter() - start
-
-        logs.replay = timed_replay  # the strategy calls logs.replay once a step, after the pipelined step
+        logs.replay = self._timed(logs.replay, self.log_times)  # the strategy calls it once a step, after the pipeline
         # Lightning looks each up on the instance when it calls it
         strategy, optimizer = trainer.strategy, trainer.optimizers[0]
         for name in ("training_step", "backward"):
@@ -106,16 +99,8 @@ class StepTimer(pl.Callback):
 
         def step_without_closure(closure=None):
             start, inside = time.perf_counter(), [0.0]
-
-            def timed_closure():
-                begin = time.perf_counter()
-                try:
-                    return closure()
-                finally:
-                    inside[0] += time.perf_counter() - begin
-
             try:
-                return step(closure=timed_closure if closure is not None else None)
+                return step(closure=self._timed(closure, inside) if closure is not None else None)
             finally:
                 self.optimizer[-1] += time.perf_counter() - start - inside[0]
 
@@ -123,6 +108,8 @@ class StepTimer(pl.Callback):
 
     @staticmethod
     def _timed(method, totals):
+        """``method``, adding the seconds each call takes to ``totals[-1]``."""
+
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:

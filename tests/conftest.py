@@ -105,9 +105,13 @@ LM_LAUNCHES = {
 }
 
 
-def run_warnings(root, name):
-    """Every warning of PipeStrategy's step checks that run ``name`` of an lm_app launch showed, on any rank."""
-    return [w for path in sorted((root / name).glob("warnings_*.json")) for w in json.loads(path.read_text())]
+def warned_by_run(root, launch, text):
+    """``{run name: how many warnings of PipeStrategy's step checks containing text it showed, on any rank}``
+    over the runs of lm_app launch ``launch`` that showed any (each run writes its own, see lm_app)."""
+    counts = {spec["name"]: sum(text in w for path in (root / spec["name"]).glob("warnings_*.json")
+                                for w in json.loads(path.read_text()))
+              for spec in LM_LAUNCHES[launch]}
+    return {name: n for name, n in counts.items() if n}
 
 
 def stop_reasons(output):

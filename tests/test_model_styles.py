@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from tests.conftest import LM_LAUNCHES, launch_lm_app, run_warnings, stop_reasons
+from tests.conftest import launch_lm_app, stop_reasons, warned_by_run
 
 
 def without_pipeline_metrics(row: dict) -> dict:
@@ -85,10 +85,8 @@ def test_a_loss_that_is_cross_entropys_token_mean_itself_is_weighted_by_its_toke
     assert_same_training(lm_runs("world2")[0]["mean_ce_p2"], want)
     derived = lm_runs("world2")[0]["mean_ce_derived_p2"]["state_dict"]
     assert any(not torch.allclose(derived[k], v, rtol=1e-6, atol=1e-9) for k, v in want["state_dict"].items())
-    root = lm_runs("world2")[1]
-    warned = {spec["name"]: n for spec in LM_LAUNCHES["world2"] if (n := sum(
-        "is computed from a cross_entropy/nll_loss whose targets include ignored ones" in w
-        for w in run_warnings(root, spec["name"])))}
+    warned = warned_by_run(lm_runs("world2")[1], "world2",
+                           "is computed from a cross_entropy/nll_loss whose targets include ignored ones")
     assert warned == {"mean_ce_derived_p2": 1}  # once; the others return num_items or the call's output itself
 
 

@@ -16,7 +16,7 @@ from lightning_pipe import ConfigurationError
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import combine_stages
 from lightning_pipe.lightning.losses import LossAccount, merge
-from tests.conftest import LM_LAUNCHES, launch_lm_app, run_warnings, stop_reasons
+from tests.conftest import launch_lm_app, stop_reasons, warned_by_run
 from tests.test_model_styles import assert_same_training
 
 
@@ -123,9 +123,7 @@ def test_step_results_merge_like_one_step_over_the_batch():
 
 # -- 3: side effects of the step -----------------------------------------------------------------
 def test_a_counter_in_the_step_is_warned_about_once(lm_runs):
-    _, root, _ = lm_runs("world2")
-    warned = {spec["name"]: n for spec in LM_LAUNCHES["world2"]
-              if (n := sum("training_step changed `self.steps_seen`" in w for w in run_warnings(root, spec["name"])))}
+    warned = warned_by_run(lm_runs("world2")[1], "world2", "training_step changed `self.steps_seen`")
     assert warned == {"diffusion_p2": 1}  # the run with the counter: once, though its step runs once per microbatch
 
 
