@@ -342,6 +342,36 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
     return [tree_unflatten([column[i] for column in columns], spec) for i in range(num_microbatches)]
 
 
+def tensor_versions(tree: Any) -> List[int]:
+    """The version of each tensor in ``tree``: it grows with every write into the tensor or into a view of it
+    (a microbatch and the batch it was split from count each other's writes). Inference tensors have none.
+
+    Example:
+        >>> batch = {"x": torch.zeros(4, 2)}
+        >>> before = tensor_versions(scatter((batch,), 2)[1])
+        >>> _ = scatter((batch,), 2)[0][0]["x"].add_(1)  # another microbatch, the same memory
+        >>> tensor_versions(scatter((batch,), 2)[1]) != before
+        True
+    """
+    leaves = tree_flatten(open_containers(tree, keep=False))[0]
+    return [t._version for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
+
+
+def copy_tensors(tree: Any) -> Any:
+    """``tree`` with each tensor replaced by a copy: a write into one changes neither the tensor copied nor
+    the tensors that share its memory (containers opened and rebuilt as :func:`scatter` does).
+
+    Example:
+        >>> batch = (torch.zeros(2), "tag")
+        >>> copied = copy_tensors(batch)
+        >>> _ = copied[0].add_(1)
+        >>> batch[0].tolist(), copied
+        ([0.0, 0.0], (tensor([1., 1.]), 'tag'))
+    """
+    leaves, spec = tree_flatten(open_containers(tree))
+    return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+
+
 def microbatch_sizes(batch_size: int, chunks: int) -> List[int]:
     """The sizes :func:`scatter` gives: ``microbatch_sizes(10, 4) == [3, 3, 2, 2]``."""
     m = min(chunks, batch_size)

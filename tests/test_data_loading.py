@@ -10,6 +10,10 @@
 - Data sharded by global rank (an ``IterableDataset``): the stages load different batches, which
   nothing can tell from correct code; the batches are compared every step and the fit stops
   with ``BatchMismatchError``.
+- A step that writes into its batch in place (``x.mul_(0.5)``): the microbatches are views of the
+  batch, so the write into one changed what the others saved for backward, and autograd stopped
+  the step; each run now gets its own copy once a write is seen. The first stage, which reads its
+  fingerprint's values where it first waits in a step, reads them before the first step.
 
 The app (``main``) runs in the shared launches of ``tests/lm_app.py`` (see ``APPS`` in conftest.py).
 """
@@ -72,6 +76,7 @@ def main(kind: str, root: str, out: str) -> None:
 
         def training_step(self, batch, batch_idx):
             x, y = batch
+            x.mul_(0.5)  # writes into its batch, which each microbatch shares (it is a view of it)
             if batch_idx == 0:
                 self.logger.experiment  # before the body: global rank 0 runs this too, and it writes
             loss = nn.functional.mse_loss(self.head(self.body(self.embed(x))), y)
@@ -115,6 +120,7 @@ def main(kind: str, root: str, out: str) -> None:
     trainer.fit(model, loader)
     if trainer.is_global_zero:
         torch.save({"global_step": trainer.global_step, "losses": model.losses, "idle": idle,
+                    "copies_batch": getattr(getattr(trainer.strategy, "_runner", None), "copies_batch", None),
                     "state_dict": {k: v.cpu() for k, v in model.state_dict().items()}}, out)
 
 
@@ -136,6 +142,7 @@ def test_worker_transforms_seeded_by_lightning_and_a_step_that_stops_the_fit_mat
         torch.testing.assert_close(got["idle"]["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
     torch.testing.assert_close(got["idle"]["output"], want["idle"]["output"])
     assert want["global_step"] == got["global_step"] == STOP_AT + 1
+    assert got["copies_batch"] is True and want["copies_batch"] is None  # the step writes into its batch
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]))
     for key, value in want["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
@@ -242,3 +249,4 @@ def test_check_raises_only_on_a_different_batch():
     batches.check(mine, None, "training_step", 3, 0, 1)  # one stage: nothing to compare
     with pytest.raises(BatchMismatchError, match="validation_step at step 3: .*global rank 0.*global rank 1"):
         batches.check(mine, _value((batch[0] + 1, batch[1])), "validation_step", 3, 0, 1)
+

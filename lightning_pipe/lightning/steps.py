@@ -25,7 +25,7 @@ from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
 from lightning_pipe.lightning.losses import LossAccount, MeanTargets, loss_of, merge
 from lightning_pipe.lightning.stale import StaleCopies, unmark
-from lightning_pipe.microbatch import scatter
+from lightning_pipe.microbatch import copy_tensors, scatter, tensor_versions
 
 
 class StepRunner:
@@ -59,12 +59,21 @@ class StepRunner:
         self.watch_loggers_on: Optional[int] = None  # global rank of the last stage of replica 0, where not 0
         self.in_step = False  # the user's step is running (on a stage: the world's collectives are refused)
         self.targets = MeanTargets()  # what a cross_entropy loss averaged over, in the run that returns the loss
+        self.copies_batch = False  # the training step writes into its batch: each run gets a copy (see run)
+        self._training_steps = 0
         recorder.count_of = self.targets.count_of  # a logged one folds by it too
         self._warned_targets = False
 
     def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
         """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
         self.hook, self.hook_args, self.pipeline, self.account = hook, hook_args, pipeline, None
+        self._training_steps += hook == "training_step"
+
+    @property
+    def first_training_step(self) -> bool:
+        """Whether the step begun is this process's first training step (whose runs are watched for writes into
+        their batch, see :meth:`run`)."""
+        return self._training_steps == 1 and self.hook == "training_step"
 
     def _account(self) -> LossAccount:
         if self.account is None:
@@ -73,7 +82,17 @@ class StepRunner:
 
     def run(self, i: int, batch: Any, mode: str, replacement: Optional[tuple] = None,
             checkpoint_layers: bool = False) -> Any:
-        """Run the user's step on microbatch ``i`` with the body in ``mode``; BodyReached passes through."""
+        """Run the user's step on microbatch ``i`` with the body in ``mode``; BodyReached passes through.
+
+        A training step that writes into its batch (``x.mul_(0.5)``) would write into memory all the
+        step's microbatches share (they are views of the batch), changing what earlier microbatches
+        saved for their backward: autograd would stop the step. The first training step's runs are
+        watched for such writes; after one, every run gets a copy of its microbatch.
+        """
+        training = self.hook == "training_step"
+        if self.copies_batch and training:
+            batch = copy_tensors(batch)
+        versions = tensor_versions(batch) if self.first_training_step and not self.copies_batch else None
         self.pipeline.reseed(i, rng.USER_STEP)
         self.recorder.start_microbatch()
         snapshot = self.effects.before(self.hook, whole=mode != "stop" or self.runs_whole_too)
@@ -92,6 +111,8 @@ class StepRunner:
                         output = getattr(self.module, self.hook)(batch, *self.hook_args)
                     finally:
                         self.in_step = False
+                        if versions is not None and tensor_versions(batch) != versions:
+                            self.copies_batch = True  # from this step's next run on
                 output = unmark(output, f"returned by {self.hook}")
                 if self.stale is not None and self.stale.active():  # kept for later (shared at the epoch's end)
                     for name, value in self.effects.new_values(snapshot):
