@@ -33,7 +33,8 @@ HANG_BOUND_S = 120.0  # a failed run, all of its processes included, must be gon
 # -- running scripts ----------------------------------------------------------------------------
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "PL_", "LOCAL_RANK", "NODE_RANK"))}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
+    # PYTHONFAULTHANDLER: a process still running when its launch is killed prints every thread's stack first
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **extra)
     return env
 
 
@@ -114,6 +115,12 @@ class Launch:
         return codes, seconds, survivors, outputs
 
     def kill(self):
+        hung = [proc for proc in self.procs if proc.poll() is None]
+        for proc in hung:  # a hang: faulthandler writes each thread's stack to the output on SIGABRT (see _env)
+            os.kill(proc.pid, signal.SIGABRT)
+        deadline = time.monotonic() + 5
+        while any(proc.poll() is None for proc in hung) and time.monotonic() < deadline:
+            time.sleep(0.1)
         for proc in self.procs:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
