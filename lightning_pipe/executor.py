@@ -118,11 +118,14 @@ class Executor:
         loss_fn: Optional[Callable[[int, tuple], torch.Tensor]] = None,
         keep_outputs: bool = False,
         before: Optional[Mapping[int, Callable[[], None]]] = None,
+        when_idle: Sequence[Callable[[], None]] = (),
     ) -> StepResult:
         """Run ``row``; ``inputs`` are the first stage's microbatches, ``loss_fn`` the last stage's criterion.
 
         ``before`` maps positions in ``row`` to callables run just before that action (the
         replica sync arms a stage's gradient hooks before the stage's last backward).
+        ``when_idle`` are run, in order, the first time the rank would wait for a message that
+        has not arrived, or once the row's actions have run if it never does.
         """
         self._current: Optional[Action] = None
         self._num_microbatches = num_microbatches
@@ -132,6 +135,7 @@ class Executor:
         self._posted: Dict[tuple, PendingRecv] = {}
         self._outgoing: Dict[tuple, tuple] = {}  # (send kind, stage, peer, microbatch) -> tensors to send
         self._handoff: Dict[tuple, object] = {}  # (message, consumer, producer, microbatch) -> same-rank data
+        self._idle = list(when_idle)
         self._result = StepResult()
         self._queue_rows(row)
         start = time.perf_counter()
@@ -139,6 +143,7 @@ class Executor:
         try:
             self._post_ahead()
             self._follow(row, before or {})
+            self._run_idle()
             finishing = time.perf_counter()
             self.transport.finish()
         except PipelineAbortedError:
@@ -295,6 +300,11 @@ class Executor:
             self._rec.on_issued(actions, begin, time.perf_counter())
         self._post_ahead()
 
+    def _run_idle(self) -> None:
+        tasks, self._idle = self._idle, []
+        for task in tasks:
+            task()
+
     def _post_ahead(self) -> None:
         """Post the next receives of each kind and peer rank whose shapes are known, up to ``lookahead``."""
         transport = self.transport
@@ -316,6 +326,8 @@ class Executor:
 
     def _take(self, kind: str, stage: int, peer: int, i: int) -> tuple:
         recv = self._posted.pop((kind, stage, peer, i))
+        if self._idle and (recv.arrival is None or not recv.arrival.done):
+            self._run_idle()
         begin = time.perf_counter()
         tensors = self.transport.take(recv, f"{_WHAT[kind]} of microbatch {i} from stage {peer}")
         end = time.perf_counter()

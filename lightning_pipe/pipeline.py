@@ -304,7 +304,8 @@ class Pipeline(Tracing):
                     f"the loss of a microbatch must be a one-element tensor, got {type(loss).__name__} "
                     f"{tuple(getattr(loss, 'shape', ()))}; reduce it in the criterion"
                 )
-            weighted = loss.reshape(()) * (sizes[i] / total) if loss_reduction == "mean" else loss.reshape(())
+            loss = loss.reshape(()) if loss.dim() else loss  # one op less per microbatch in the common case
+            weighted = loss * (sizes[i] / total) if loss_reduction == "mean" else loss
             losses[i] = weighted.detach()
             return weighted * loss_scale if loss_scale != 1.0 else weighted
 
@@ -319,6 +320,7 @@ class Pipeline(Tracing):
         loss_scale: float = 1.0,
         loss_reduction: str = "mean",
         sync_replicas: bool = True,
+        when_idle: Sequence[Callable[[], None]] = (),
     ) -> Tuple[Optional[torch.Tensor], Any]:
         """Run forward and backward of one batch through the pipeline.
 
@@ -335,7 +337,9 @@ class Pipeline(Tracing):
         several ranks get the sum of their ranks' gradients before this returns. With a
         ``dp_group`` and ``sync_replicas`` (the default), ``.grad`` then holds the average over
         the replicas of everything accumulated so far; pass ``sync_replicas=False`` on steps that
-        only accumulate.
+        only accumulate. ``when_idle`` are callables run, in order, where this rank first waits for
+        a message in the step that has not arrived (or at the step's end if it never does): work of
+        the caller's that need not delay the pipeline's start.
 
         Returns:
             ``(loss, outputs)`` on the rank holding the last stage (``outputs`` None unless
@@ -353,7 +357,7 @@ class Pipeline(Tracing):
 
         def run() -> StepResult:
             return self.executor.run(row, self._step, num_microbatches, microbatches, loss_fn,
-                                     keep_outputs=return_outputs, before=before)
+                                     keep_outputs=return_outputs, before=before, when_idle=when_idle)
 
         result = sum_step_gradients(self.ties, run) if self.ties else run()
         if replicas is not None:

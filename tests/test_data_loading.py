@@ -250,3 +250,22 @@ def test_check_raises_only_on_a_different_batch():
     with pytest.raises(BatchMismatchError, match="validation_step at step 3: .*global rank 0.*global rank 1"):
         batches.check(mine, _value((batch[0] + 1, batch[1])), "validation_step", 3, 0, 1)
 
+
+def test_a_deferred_fingerprint_reads_the_values_when_computed_unless_the_batch_was_written_into():
+    """The first stage reads its fingerprint's values where it first waits in the step, after its first
+    microbatches ran the user's step: a step that writes into its batch must not look like another batch."""
+    batch = (torch.arange(12.0).reshape(6, 2), torch.ones(6))
+    eager = batches.fingerprint(batch).value()
+    later = batches.fingerprint(batch, deferred=True)
+    batch[1][:3].add_(1)  # through a view (a microbatch): counted on the batch's tensor
+    assert later.value() is None and later.written
+    batches.check(later, eager, "training_step", 3, 0, 1)  # not compared: no false mismatch
+    untouched = batches.fingerprint(batch, deferred=True)
+    torch.add(batch[0], 1, out=torch.empty(6, 2))  # reading is not writing
+    assert batches.same(untouched.value(), _value(batch)) and not untouched.written
+    with torch.inference_mode():
+        frozen = torch.ones(3)
+    read_now = batches.fingerprint([frozen], deferred=True)  # no version to tell a write by: read at once
+    with torch.inference_mode():
+        frozen.add_(1)
+    assert batches.same(read_now.value(), _value([torch.ones(3)]))

@@ -244,3 +244,57 @@ def test_the_recorder_sees_input_and_weight_gradient_actions(tmp_path):
     for schedule, (_, path, png) in per_rank[0].items():
         assert path.endswith(f"{schedule}.json") and png.endswith(f"{schedule}.png")
         assert (tmp_path / f"{schedule}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- work of the caller's run where the rank first waits -------------------------------------------
+class _Slow(nn.Module):
+    """Sleeps in every forward: the other rank's first receive surely waits."""
+
+    def forward(self, x):
+        import time
+
+        time.sleep(0.2)
+        return x
+
+
+def _idle_tasks(rank: int, world: int) -> dict:
+    import time
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(6, 6)) if rank == 0 else nn.Sequential(_Slow(), nn.Linear(6, 6))
+    pipe = Pipeline(stage, chunks=4, schedule="1f1b")
+    recorder = pipe.trace_steps()
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    ran = []
+    pipe.forward_backward(*((x,) if rank == 0 else ()), criterion=nn.functional.mse_loss if rank else None,
+                          labels=(y,) if rank else (), when_idle=[lambda: ran.append(("a", time.perf_counter())),
+                                                              lambda: ran.append(("b", time.perf_counter()))])
+    (record,) = recorder.records
+    return {"ran": [name for name, _ in ran], "at": ran[0][1], "compute": [(str(a), b, e) for a, b, e in record.compute],
+            "waits": [(str(a), b, e) for a, b, e in record.waits]}
+
+
+def _idle_alone(rank: int, world: int) -> list:
+    import time
+
+    pipe = Pipeline(nn.Sequential(nn.Linear(6, 6)), chunks=2)
+    recorder = pipe.trace_steps()
+    ran = []
+    pipe.forward_backward(torch.randn(4, 6), criterion=nn.functional.mse_loss, labels=(torch.randn(4, 6),),
+                          when_idle=[lambda: ran.append(time.perf_counter())])
+    (record,) = recorder.records
+    return [ran, record.compute[-1][2]]
+
+
+def test_when_idle_runs_where_the_rank_first_waits_for_a_message_or_at_the_steps_end():
+    """The Lightning glue's work that need not delay the pipeline's start (the fingerprint of the batch, posting
+    the receive of the step's results) runs there: in order, once, after the compute before the first wait."""
+    first, last = distributed.run(_idle_tasks, 2, timeout=120)
+    assert first["ran"] == last["ran"] == ["a", "b"]
+    computed_before = [a for a, _, end in first["compute"] if end <= first["at"]]
+    assert computed_before == [a for a, _, _ in first["compute"]][:len(computed_before)] and computed_before
+    assert first["at"] <= first["waits"][0][2]  # before rank 0's first wait (for a gradient) ended
+    assert all(first["at"] <= begin for a, begin, _ in first["compute"] if a not in computed_before)
+    assert last["compute"][0][0] == "1F0" and last["at"] <= last["compute"][0][1]  # before its first forward
+    (ran, end_of_last_action), = distributed.run(_idle_alone, 1, timeout=60)
+    assert len(ran) == 1 and ran[0] >= end_of_last_action  # no message to wait for: after the step's actions

@@ -20,6 +20,14 @@ under ``cudnn.benchmark``, another CPU's vector width) still compare equal: the 
 units in the last place of the tensor's dtype, relative to the values' magnitudes; a different
 sample or draw differs far more. On an accelerator the sums are copied to the host as soon as they
 are computed, and the comparison after the step waits for that copy only, not for the step.
+
+From its second training step on, a rank other than the last reads its values where it first
+waits in the step, not before the step (:func:`fingerprint` with ``deferred``): at its start the
+whole pipeline waits for the first stage. The first step is read before it runs: a step may write
+into its batch in place, and from the first write on, each run of the step gets a copy of its
+microbatch (see :class:`~lightning_pipe.lightning.steps.StepRunner`). A step that writes into the
+batch itself before the read anyway leaves that step's fingerprint without a value; it is not
+compared, and the rank reads its values before its later steps.
 """
 
 from __future__ import annotations
@@ -43,17 +51,34 @@ Value = Tuple[Tuple[Tuple[float, float, float], ...], int]  # per tensor (sum, s
 
 
 class Fingerprint:
-    """A batch's fingerprint: per sampled tensor a weighted sum and the sum of magnitudes; the structure."""
+    """A batch's fingerprint: per sampled tensor a weighted sum and the sum of magnitudes; the structure.
 
-    __slots__ = ("_tolerances", "_structure", "_copies")
+    Taken in two parts: the structure and the tensors to read when it is made, the sums when
+    :meth:`compute` runs (at once, or later in the step where the rank would otherwise wait: see
+    :func:`fingerprint`). A tensor written into in between (the step changed its batch in place)
+    leaves the fingerprint without a value (:attr:`written`): it is not compared.
+    """
 
-    def __init__(self, sums: List[torch.Tensor], tolerances: List[float], structure: str) -> None:
+    __slots__ = ("_tensors", "_tolerances", "_structure", "_copies", "written")
+
+    def __init__(self, tensors: List[torch.Tensor], tolerances: List[float], structure: str) -> None:
+        self._tensors = [(t, None if t.is_inference() else t._version) for t in tensors]  # None: no version
         self._tolerances = tolerances
         self._structure = structure
-        self._copies: List[Tuple[torch.Tensor, Any]] = []  # per device: the sums on the host, and the copy's event
+        self._copies: Optional[List[Tuple[torch.Tensor, Any]]] = None  # per device: the sums on the host, copy event
+        self.written = False
+
+    def compute(self) -> None:
+        """Read the sampled values now (a second call does nothing)."""
+        if self._copies is not None or self.written:
+            return
+        if any(version is not None and t._version != version for t, version in self._tensors):
+            self.written = True
+            return
+        self._copies = []
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
-        for s in sums:
-            by_device.setdefault(s.device, []).append(s)
+        for t, _ in self._tensors:
+            by_device.setdefault(t.device, []).append(_tensor_sums(t))
         for device, group in by_device.items():
             stacked = torch.stack(group)
             if device.type == "cuda":
@@ -63,9 +88,14 @@ class Fingerprint:
                 self._copies.append((host, event))
             else:
                 self._copies.append((stacked.cpu(), None))
+        self._tensors = []  # the batch is not kept beyond what is read
 
-    def value(self) -> Value:
-        """The fingerprint as Python numbers: waits for its own copy to the host, not for later work."""
+    def value(self) -> Optional[Value]:
+        """The fingerprint as Python numbers (None if :attr:`written`): waits for its own copy to the host, not for
+        later work."""
+        self.compute()
+        if self.written:
+            return None
         rows: List[List[float]] = []
         for host, event in self._copies:
             if event is not None:
@@ -75,8 +105,11 @@ class Fingerprint:
                 zlib.crc32(self._structure.encode()))
 
 
-def fingerprint(batch: Any) -> Fingerprint:
+def fingerprint(batch: Any, deferred: bool = False) -> Fingerprint:
     """The fingerprint of ``batch`` (tensors, numbers and strings in dicts, lists, tuples, dataclasses).
+
+    With ``deferred``, the values are read when :meth:`Fingerprint.compute` is called, not now, if
+    no tensor of the batch is an inference tensor (which has no version to tell a write by).
 
     Example:
         >>> a = {"x": torch.arange(6.0).reshape(3, 2), "y": torch.tensor([0, 1, 1])}
@@ -84,34 +117,41 @@ def fingerprint(batch: Any) -> Fingerprint:
         True
         >>> same(fingerprint(a).value(), fingerprint({"x": a["x"].flip(0), "y": a["y"]}).value())
         False
+        >>> later = fingerprint(a, deferred=True)
+        >>> _ = a["x"].mul_(2)  # written into before its values were read: no value, not compared
+        >>> later.value() is None, later.written
+        (True, True)
     """
-    sums: List[torch.Tensor] = []
+    tensors: List[torch.Tensor] = []
     tolerances: List[float] = []
     parts: List[str] = []
-    _walk(batch, sums, tolerances, parts)
-    return Fingerprint(sums, tolerances, "|".join(parts))
+    _walk(batch, tensors, tolerances, parts)
+    made = Fingerprint(tensors, tolerances, "|".join(parts))
+    if not deferred or any(version is None for _, version in made._tensors):
+        made.compute()
+    return made
 
 
-def _walk(value: Any, sums: List[torch.Tensor], tolerances: List[float], parts: List[str]) -> None:
+def _walk(value: Any, tensors: List[torch.Tensor], tolerances: List[float], parts: List[str]) -> None:
     if isinstance(value, torch.Tensor):
         parts.append(f"T{tuple(value.shape) if not value.is_nested else 'nested'}{value.dtype}{value.layout}")
         readable = value.layout == torch.strided and not value.is_nested and not value.is_quantized
-        if readable and len(sums) < TENSORS:  # a sparse, nested or quantized tensor: its shape only
-            sums.append(_tensor_sums(value))
+        if readable and len(tensors) < TENSORS:  # a sparse, nested or quantized tensor: its shape only
+            tensors.append(value)
             inexact = value.dtype.is_floating_point or value.is_complex()
             tolerances.append(_ULPS * torch.finfo(value.dtype).eps if inexact else _EXACT)
     elif isinstance(value, Mapping):
         for key, item in value.items():
             parts.append(f"K{key!r}")
-            _walk(item, sums, tolerances, parts)
+            _walk(item, tensors, tolerances, parts)
     elif isinstance(value, (list, tuple)):
         parts.append(f"L{len(value)}")
         for item in value:
-            _walk(item, sums, tolerances, parts)
+            _walk(item, tensors, tolerances, parts)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
             parts.append(f"K{field.name}")
-            _walk(getattr(value, field.name), sums, tolerances, parts)
+            _walk(getattr(value, field.name), tensors, tolerances, parts)
     elif isinstance(value, (str, bytes, int, float, bool)) or value is None:
         parts.append(repr(value))
     # anything else (a PIL image, an object whose repr holds its address) is not compared
@@ -149,8 +189,11 @@ def same(a: Value, b: Value) -> bool:
 
 
 def check(mine: Fingerprint, last: Optional[Value], hook: str, step: int, rank: int, last_rank: int) -> None:
-    """Raise :class:`BatchMismatchError` if this rank's batch is not the last stage's (``last``; None: not taken)."""
-    if last is None or same(mine.value(), last):
+    """Raise :class:`BatchMismatchError` if this rank's batch is not the last stage's (``last``; None: not taken).
+
+    A fingerprint left without a value (:attr:`Fingerprint.written`) is not compared."""
+    value = mine.value()
+    if last is None or value is None or same(value, last):
         return
     raise BatchMismatchError(
         f"{hook} at step {step}: the batch this process (global rank {rank}) loaded differs from the one the last "

@@ -172,7 +172,7 @@ class LossAccount:
         self.items[i] = items
         if isinstance(output, dict):
             self.extras[i] = {k: _detached(v) for k, v in output.items() if k != "loss"}
-        loss = loss.reshape(())
+        loss = loss.reshape(()) if loss.dim() else loss
         if self.reduction == "sum":
             return loss
         if items is None:

@@ -88,10 +88,10 @@ def share_object(obj: Any, transport: Any, src: int, posted: Any = None) -> Any:
     """
     if transport.batched:
         return broadcast_object(obj, transport.ranks[src], transport.group, transport.device)
-    what = f"what pipeline rank {src} shares (a step's results, or the state its steps built)"
     if transport.pp_rank == src:
-        transport.send_bytes(dumps(obj), [r for r in range(transport.num_ranks) if r != src], what)
+        transport.send_bytes(dumps(obj), [r for r in range(transport.num_ranks) if r != src])
         return obj
+    what = f"what pipeline rank {src} shares (a step's results, or the state its steps built)"
     return pickle.loads(transport.recv_bytes(src, what, posted))
 
 

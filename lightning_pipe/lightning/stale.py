@@ -134,27 +134,42 @@ def _skippable(module: nn.Module, handle: Any) -> bool:
 
 
 def _skipping_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A watched module's forward on the last stage after the first step: a zero tensor of the output's shape.
+    """A watched module's forward on the last stage after the first step: zeros of the output's shape, marked.
 
     What it computes there can only feed the body call, whose result the pipeline replaces: any other
     use raises StaleValueError. So after one real call per input shape, the last stage skips the
     computation (for the ViT patch embedding or projection before the body, a layer's worth of work
     per microbatch). Bound per instance (``types.MethodType``), so that a deep copy of the module
     binds it to the copy, which is not watched and runs its own forward.
+
+    The module's marking hook is removed once it skips (:meth:`StaleCopies.learn`): it marks here,
+    and hands back the same marked zeros for every call with the same input while no step wrote
+    into them, since each new tensor, its mark and the hook cost about a tenth of a millisecond a
+    microbatch after the step's matrix products (``benchmarks/glue_cost.py``).
     """
     watch, x = _WATCH, args[0] if len(args) == 1 and not kwargs else None
-    if watch is None or watch._skipped.get(id(self)) is not self or type(x) is not torch.Tensor \
-            or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+    skipped = watch._skipped.get(id(self)) if watch is not None else None
+    if skipped is None or skipped[0] is not self:  # not watching, or a deep copy (an EMA teacher)
         return type(self).forward(self, *args, **kwargs)
+    sources = skipped[1]
+    if type(x) is not torch.Tensor or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return mark(type(self).forward(self, *args, **kwargs), sources)
     key = (id(self), tuple(x.shape), x.dtype, x.device, torch.is_grad_enabled(), torch.is_autocast_enabled(x.device.type))
     known = watch._shapes.get(key)
+    if known is not None and known[0]._version == known[1]:
+        return known[2]
     if known is None:
         out = type(self).forward(self, x)
-        if type(out) in (torch.Tensor, Stale) and len(watch._shapes) < 256:  # Stale: from the marked parameters
-            watch._shapes[key] = (out.shape, out.dtype, out.requires_grad)
-        return out
-    shape, dtype, requires_grad = known
-    return torch.zeros(shape, dtype=dtype, device=x.device).requires_grad_(requires_grad)
+        if type(out) not in (torch.Tensor, Stale) or len(watch._shapes) >= 256:  # Stale: from the marked parameters
+            return mark(out, sources)
+        shape, dtype, requires_grad = out.shape, out.dtype, out.requires_grad
+    else:  # written into by a step (its values, and any graph it took on, are not the zeros handed back)
+        shape, dtype, requires_grad = known[0].shape, known[0].dtype, known[0].requires_grad
+        out = None
+    zeros = torch.zeros(shape, dtype=dtype, device=x.device).requires_grad_(requires_grad)
+    marked = mark(zeros, sources)
+    watch._shapes[key] = (zeros, zeros._version, marked)
+    return mark(out, sources) if out is not None else marked
 
 
 class Stale(torch.Tensor):
@@ -224,8 +239,8 @@ class StaleCopies:
         self._watched = set(self.candidates) if watch else set()
         self._handles = {path: self.module.get_submodule(path).register_forward_hook(self._hook(path))
                          for path in sorted(self._watched)}
-        self._skipped: Dict[int, nn.Module] = {}  # id -> the watched modules whose computation is skipped
-        self._shapes: Dict[tuple, tuple] = {}  # (module id, input, grad mode, autocast) -> output shape, dtype, grad
+        self._skipped: Dict[int, tuple] = {}  # id -> (a watched module whose computation is skipped, its sources)
+        self._shapes: Dict[tuple, tuple] = {}  # (module id, input, grad mode, autocast) -> (zeros, version, marked)
         self._aliases: Dict[tuple, tuple] = {}  # (path, name) -> (parameter, its marked alias, requires_grad)
 
     @staticmethod
@@ -328,7 +343,8 @@ class StaleCopies:
             m = self.module.get_submodule(path)
             if _skippable(m, self._handles[path]):
                 m.forward = types.MethodType(_skipping_forward, m)
-                self._skipped[id(m)] = m
+                self._skipped[id(m)] = (m, frozenset({path}))
+                self._handles.pop(path).remove()  # it marks its output itself; a module with hooks is slower to call
         return self.synced
 
     def stepped(self) -> None:
@@ -338,7 +354,7 @@ class StaleCopies:
     def remove(self) -> None:
         for handle in self._handles.values():
             handle.remove()
-        for m in self._skipped.values():
+        for m, _ in self._skipped.values():
             del m.forward
         self._handles, self._watched, self._skipped, self._aliases = {}, set(), {}, {}
 
@@ -371,7 +387,7 @@ class StaleCopies:
             state = broadcast_object(self._state(paths) if transport.pp_rank == first else None, transport.ranks[first],
                                      transport.group, transport.device)
         elif transport.pp_rank == first:
-            transport.send_bytes(dumps(self._state(paths)), [last], what)
+            transport.send_bytes(dumps(self._state(paths)), [last])
             return
         elif transport.pp_rank == last:
             state = pickle.loads(transport.recv_bytes(first, what))

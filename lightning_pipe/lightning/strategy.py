@@ -320,6 +320,7 @@ class PipeStrategy(DDPStrategy):
         self._pipeline.errors.watch_job = True  # replicas cannot go on once any rank failed
         self._overlapped: Optional[set] = None  # parameters averaged over replicas inside the step (ids)
         self._overlap_decided = self._synced_in_step = False
+        self._defer_fingerprint = True  # until a step is found to write into its batch (see training_step)
         self._runner.runs_whole_too = self.pp_size > 1 and self.is_first_stage and self.is_last_stage
         # where DDP's global rank 0 would run the code after the body (see .loggers)
         watch = self.pp_size > 1 and self.is_last_stage and self.dp_rank == 0 and self.global_rank != 0
@@ -446,14 +447,20 @@ class PipeStrategy(DDPStrategy):
         # batch's gradients would be added after the average (see _start_overlap)
         overlap = self._overlapped is not None and module.trainer.accumulate_grad_batches == 1 \
             and not module.trainer.fit_loop.epoch_loop._should_accumulate()
-        loaded = batches.fingerprint(args[0]) if self.pp_size > 1 else None
+        # the whole pipeline waits for the first stage's start: what need not come first waits for this rank's first
+        # wait in the step (the fingerprint's values, the receive of the results: 0.4 ms on benchmarks/glue_cost.py).
+        # The values are read before the first step, which may write into its batch (later runs then get copies)
+        deferred = self.pp_size > 1 and not last
+        loaded = batches.fingerprint(args[0], deferred=deferred and self._defer_fingerprint
+                                     and not self._runner.first_training_step) if self.pp_size > 1 else None
+        posted: list = []
+        idle = (lambda: posted.append(self._post_results()), loaded.compute) if deferred else ()
         with self.precision_plugin.train_step_context():
             parameters = list(module.parameters())
             earlier = gradients.take_grads(parameters)
             if self._zeroed_after_step(module.trainer):
                 earlier = {}  # stale: Lightning zeroes them after this step; freed now, before new ones exist
             self._refresh_stale_copies(training=True)
-            posted = self._post_results()
             buffers = self._buffer_watch.before()
             # the modules used are learned from the first step; a global hook or mode would slow every later call
             calls = release.uses_recorded(module, self.split.path) if self._ties is None else nullcontext(set())
@@ -463,7 +470,7 @@ class PipeStrategy(DDPStrategy):
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
                     criterion=self._runner.criterion if last and self.pp_size > 1 else None,  # one stage: FirstStage's loss
                     loss_scale=scaling.loss_scale(self.precision_plugin, self.root_device)
-                    / module.trainer.accumulate_grad_batches, sync_replicas=overlap,
+                    / module.trainer.accumulate_grad_batches, sync_replicas=overlap, when_idle=idle,
                 )
             self._effects.refuse_updated("training_step", versions)
             self._buffer_watch.after(buffers, len(self._pipeline.last_sizes))
@@ -475,7 +482,10 @@ class PipeStrategy(DDPStrategy):
             account = self._runner.account
             summary = (loss, self._runner.folded_logs(self._pipeline.last_sizes), account.merged_extras(),
                        account.normalizer()) if last else None
-            loss, extras, normalizer = self._share_results(summary, posted, "training_step", loaded)
+            loss, extras, normalizer = self._share_results(summary, posted[0] if posted else None, "training_step",
+                                                           loaded)
+            if loaded is not None and loaded.written:  # a later step wrote into its batch: read it before the step
+                self._defer_fingerprint = False
             if normalizer is not None:  # the losses were weighted by num_items: divide by their total now
                 if overlap:
                     raise ConfigurationError(
