@@ -124,8 +124,10 @@ class Executor:
 
         ``before`` maps positions in ``row`` to callables run just before that action (the
         replica sync arms a stage's gradient hooks before the stage's last backward).
-        ``when_idle`` are run, in order, the first time the rank would wait for a message that
-        has not arrived, or once the row's actions have run if it never does.
+        ``when_idle`` are run, in order, the first time the row takes a message that has not
+        arrived (under NCCL, its first message), or once the row's actions have run if it never
+        does; the waits before the row (the step header, and the shapes of a step whose shapes
+        are new) do not count.
         """
         self._current: Optional[Action] = None
         self._num_microbatches = num_microbatches
@@ -186,6 +188,7 @@ class Executor:
             position += 1
 
     def _clear(self) -> None:
+        self._idle = []  # nor the failed step's batch kept alive by them
         for stage in self.stages.values():
             stage.clear()
 
@@ -326,9 +329,9 @@ class Executor:
 
     def _take(self, kind: str, stage: int, peer: int, i: int) -> tuple:
         recv = self._posted.pop((kind, stage, peer, i))
-        if self._idle and (recv.arrival is None or not recv.arrival.done):
-            self._run_idle()
         begin = time.perf_counter()
+        if self._idle and (recv.arrival is None or not recv.arrival.done):
+            self._run_idle()  # counted as waiting: the rank would have waited meanwhile
         tensors = self.transport.take(recv, f"{_WHAT[kind]} of microbatch {i} from stage {peer}")
         end = time.perf_counter()
         self._result.wait_seconds += end - begin

@@ -337,9 +337,9 @@ class Pipeline(Tracing):
         several ranks get the sum of their ranks' gradients before this returns. With a
         ``dp_group`` and ``sync_replicas`` (the default), ``.grad`` then holds the average over
         the replicas of everything accumulated so far; pass ``sync_replicas=False`` on steps that
-        only accumulate. ``when_idle`` are callables run, in order, where this rank first waits for
-        a message in the step that has not arrived (or at the step's end if it never does): work of
-        the caller's that need not delay the pipeline's start.
+        only accumulate. ``when_idle`` are callables run, in order, where this rank's schedule first
+        waits for a message that has not arrived (or at its end if it never does): work of the
+        caller's that need not delay the pipeline's start.
 
         Returns:
             ``(loss, outputs)`` on the rank holding the last stage (``outputs`` None unless

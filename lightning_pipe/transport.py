@@ -243,21 +243,27 @@ class Transport:
         return tuple(b.requires_grad_(True) if rg else b for b, rg in zip(recv.buffers, recv.requires_grad))
 
     # -- bytes (what the Lightning glue shares each step) ------------------------------------------
-    def send_bytes(self, data: bytes, peers: Sequence[int]) -> None:
-        """Send ``data`` to the group ranks ``peers`` (gloo).
+    def send_bytes(self, data: bytes, peers: Sequence[int], what: Optional[str] = None) -> None:
+        """Send ``data`` to the group ranks ``peers`` (gloo), waiting until it has left if ``what`` names it.
 
         The first message has a fixed size, :data:`FIRST_BYTES`: the data's length, then its start;
         the rest, if any, follows in a second message. A receiver can therefore post the first
-        receive before the data exists (:meth:`post_bytes`). Not waited for here: the next step's
-        :meth:`finish` waits for it with that step's sends (a wait of its own costs a hand-off to a
-        helper thread, 0.25 ms at the end of every step of ``benchmarks/glue_cost.py``).
+        receive before the data exists (:meth:`post_bytes`). Without ``what`` it is not waited for
+        here: the next :meth:`finish` waits for it with the next step's sends (a wait of its own
+        costs a hand-off to a helper thread, 0.25 ms at the end of every step of
+        ``benchmarks/glue_cost.py``). Only for what is sure to be followed by a step or received
+        before the receiver can go on: gloo sends the data only once the receiver asks for it.
         """
         framed = bytearray(len(data).to_bytes(8, "little")) + data
         framed += bytes(max(FIRST_BYTES - len(framed), 0))
         whole = torch.frombuffer(framed, dtype=torch.uint8)
         tensors = [whole[:FIRST_BYTES]] + ([whole[FIRST_BYTES:]] if len(whole) > FIRST_BYTES else [])
         group = self._process_group
-        self._sends.extend((group.send([tensor], peer, OBJECTS), tensor) for peer in peers for tensor in tensors)
+        works = [group.send([tensor], peer, OBJECTS) for peer in peers for tensor in tensors]
+        if what is not None:
+            self.errors.wait(_Works(works), what)
+        else:
+            self._sends.extend((work, whole) for work in works)
 
     def post_bytes(self, peer: int) -> PendingRecv:
         """Post the receive of the first message of group rank ``peer``'s next :meth:`send_bytes`.
@@ -285,5 +291,5 @@ class Transport:
     def finish(self) -> None:
         """Wait until every send issued since the last call (the step's, and :meth:`send_bytes`' before it) has left."""
         if self._sends:
-            self.errors.wait(_Works([work for work, _ in self._sends]), "the step's sends to finish")
+            self.errors.wait(_Works([work for work, _ in self._sends]), "this rank's sends to finish")
         self._sends.clear()

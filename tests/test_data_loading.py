@@ -38,7 +38,7 @@ STOP_AT = 5  # the step whose training_step sets trainer.should_stop (in epoch 0
 def main(kind: str, root: str, out: str) -> None:
     """Trained under DDP (``"ddp"``, ``"ddp2"``: 1 or 2 devices), PipeStrategy on 2 or 3 stages (``"pipe"``,
     ``"pipe3"``) or 2 stages x 2 replicas (``"pipe2x2"``), or on 2 stages with the data sharded by global rank
-    (``"sharded"``, which fails)."""
+    (``"sharded"``, which fails; ``"sharded_later"``: after one batch alike on both, which fails at step 1)."""
     import lightning.pytorch as pl
     import torch.distributed as dist
     from lightning.pytorch.loggers import CSVLogger
@@ -63,7 +63,10 @@ def main(kind: str, root: str, out: str) -> None:
     class ShardedByProcess(torch.utils.data.IterableDataset):
         def __iter__(self):
             data = NoisyLabels()
-            for i in range(dist.get_rank(), len(data), dist.get_world_size()):
+            first = 12 if kind == "sharded_later" else 0  # one batch alike on every process first
+            for i in range(first):
+                yield data.x[i], data.y[i]
+            for i in range(first + dist.get_rank(), len(data), dist.get_world_size()):
                 yield data.x[i], data.y[i]
 
     class Model(pl.LightningModule):
@@ -98,7 +101,7 @@ def main(kind: str, root: str, out: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def make_trainer(**limits):
-        devices = {"ddp": 1, "ddp2": 2, "pipe": 2, "pipe3": 3, "pipe2x2": 4, "sharded": 2}[kind]
+        devices = {"ddp": 1, "ddp2": 2, "pipe": 2, "pipe3": 3, "pipe2x2": 4, "sharded": 2, "sharded_later": 2}[kind]
         strategy = DDPStrategy() if kind.startswith("ddp") else lightning_pipe.PipeStrategy(
             pipe_size=2 if kind == "pipe2x2" else None, num_microbatches=3, log_pipeline_metrics=False)
         return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=CSVLogger(root),
@@ -107,10 +110,11 @@ def main(kind: str, root: str, out: str) -> None:
 
     pl.seed_everything(0, workers=True)
     model = Model()
-    data = ShardedByProcess() if kind == "sharded" else NoisyLabels()
-    loader = torch.utils.data.DataLoader(data, batch_size=12, num_workers=0 if kind == "sharded" else 1)
+    sharded = kind.startswith("sharded")
+    data = ShardedByProcess() if sharded else NoisyLabels()
+    loader = torch.utils.data.DataLoader(data, batch_size=12, num_workers=0 if sharded else 1)
     idle = {}
-    if kind != "sharded":  # a fit that trains no step leaves the whole model in the module, as any fit does
+    if not sharded:  # a fit that trains no step leaves the whole model in the module, as any fit does
         make_trainer(max_steps=0).fit(model, loader)
         idle["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         idle["output"] = model.head(model.body(model.embed(torch.ones(2, 4)))).detach()
@@ -165,15 +169,18 @@ def test_the_logger_used_after_the_body_warns_on_the_last_stage_of_replica_0_onl
                                           f"PipeStrategy that code runs on the last stage's process (global rank {rank})")
 
 
-def test_data_sharded_by_process_stops_the_fit_with_a_named_error(tmp_path_factory):
+@pytest.mark.parametrize("kind, step", [("sharded", 0), ("sharded_later", 1)])
+def test_data_sharded_by_process_stops_the_fit_with_a_named_error(tmp_path_factory, kind, step):
+    """From step 1 on, the first stage reads its fingerprint where it first waits in the step (step 0 is read
+    before it runs): ``sharded_later`` loads one batch alike on both processes first."""
     code, seconds, survivors, output = launch_lm_app(
-        tmp_path_factory, "sharded_data",
-        [dict(name="sharded", app="test_data_loading", strategy="sharded", devices=2)], expect_failure=True, timeout=120,
+        tmp_path_factory, kind, [dict(name=kind, app="test_data_loading", strategy=kind, devices=2)],
+        expect_failure=True, timeout=120,
     )
     assert code != 0 and not survivors, (survivors, output[-4000:])
     reason = stop_reasons(output)[0]
-    assert reason.startswith("BatchMismatchError: training_step at step 0: the batch this process (global rank 0) "
-                             "loaded differs from the one the last stage's process (global rank 1) loaded"), reason
+    assert reason.startswith(f"BatchMismatchError: training_step at step {step}: the batch this process (global rank "
+                             "0) loaded differs from the one the last stage's process (global rank 1) loaded"), reason
     assert "trainer.strategy.dp_rank" in reason
 
 

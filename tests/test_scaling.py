@@ -75,6 +75,13 @@ def _wait_for_group(pgid: int, deadline: float) -> list:
         time.sleep(0.2)
 
 
+def _no_core_files() -> None:
+    """In a launched script, before it starts: a SIGABRT (see Launch.kill) writes no core file."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 class Launch:
     """Scripts started together, each in its own session, output to a file; killed as groups on exit.
     ``env`` is every script's environment, or a list of one per script."""
@@ -85,7 +92,8 @@ class Launch:
         self.logs = [open(root / f"output{i}.txt", "w+") for i in range(len(commands))]
         envs = env if isinstance(env, list) else [env] * len(commands)
         self.procs = [
-            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env_, cwd=ROOT, start_new_session=True)
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env_, cwd=ROOT, start_new_session=True,
+                             preexec_fn=_no_core_files)
             for cmd, log, env_ in zip(commands, self.logs, envs)
         ]
 
@@ -115,11 +123,14 @@ class Launch:
         return codes, seconds, survivors, outputs
 
     def kill(self):
-        hung = [proc for proc in self.procs if proc.poll() is None]
-        for proc in hung:  # a hang: faulthandler writes each thread's stack to the output on SIGABRT (see _env)
-            os.kill(proc.pid, signal.SIGABRT)
+        hung = [proc.pid for proc in self.procs if _live_members(proc.pid)]
+        for pgid in hung:  # a hang: faulthandler writes each thread's stack to the output on SIGABRT (see _env)
+            try:
+                os.killpg(pgid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + 5
-        while any(proc.poll() is None for proc in hung) and time.monotonic() < deadline:
+        while any(_live_members(pgid) for pgid in hung) and time.monotonic() < deadline:
             time.sleep(0.1)
         for proc in self.procs:
             try:

@@ -248,7 +248,7 @@ def test_the_recorder_sees_input_and_weight_gradient_actions(tmp_path):
 
 # -- work of the caller's run where the rank first waits -------------------------------------------
 class _Slow(nn.Module):
-    """Sleeps in every forward: the other rank's first receive surely waits."""
+    """Sleeps in every forward: the other rank's receives of this rank's messages surely wait."""
 
     def forward(self, x):
         import time
@@ -261,7 +261,7 @@ def _idle_tasks(rank: int, world: int) -> dict:
     import time
 
     torch.manual_seed(0)
-    stage = nn.Sequential(nn.Linear(6, 6)) if rank == 0 else nn.Sequential(_Slow(), nn.Linear(6, 6))
+    stage = nn.Sequential(_Slow(), nn.Linear(6, 6))
     pipe = Pipeline(stage, chunks=4, schedule="1f1b")
     recorder = pipe.trace_steps()
     x, y = torch.randn(8, 6), torch.randn(8, 6)

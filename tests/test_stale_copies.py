@@ -231,6 +231,29 @@ def test_a_skipping_module_hands_back_the_same_zeros_until_a_step_writes_into_th
     assert "forward" not in model.embed.__dict__ and not model.embed._forward_hooks
 
 
+
+def test_a_skipping_module_frozen_or_under_inference_mode_hands_back_zeros_a_step_can_use():
+    """Regressions of the zeros handed back again: a frozen module's written by ``h += pos`` (a trainable operand)
+    came back requiring grad, and the next ``h += pos`` was refused as a write into a leaf requiring grad; under
+    ``torch.inference_mode()`` reading their version raised."""
+    model = _model()
+    model.embed.requires_grad_(False)
+    copies = _copies(model)
+    copies.learn([], fresh={"head"})
+    x, pos = torch.randn(4, 3), nn.Parameter(torch.ones(3))
+    with copies.watching():
+        for _ in range(3):
+            h = model.embed(x)
+            h += pos  # feeds the body
+        assert not model.embed(x).requires_grad
+        with torch.inference_mode():
+            first, again = model.embed(x), model.embed(x)
+    assert isinstance(again, Stale) and again.shape == (4, 3) and again is not first
+    with torch._C.DisableTorchFunctionSubclass():
+        assert not again.any()
+    copies.remove()
+    assert copies._shapes == {} and copies._zeros == {}
+
 class _Transport:
     """Two ranks of a pipeline in one process: what send_bytes sends, recv_bytes returns."""
 

@@ -70,7 +70,7 @@ def broadcast_object(obj: Any, src: int, group: Any, device: Optional[torch.devi
     return obj if sending else pickle.loads(buffer.cpu().numpy().tobytes())
 
 
-def share_object(obj: Any, transport: Any, src: int, posted: Any = None) -> Any:
+def share_object(obj: Any, transport: Any, src: int, posted: Any = None, wait: bool = True) -> Any:
     """``obj`` of pipeline rank ``src`` on every rank of the pipeline (each calls this); ``src`` gets ``obj`` back.
 
     Over gloo it travels point to point on the pipeline's transport, which lets a receiver post
@@ -85,13 +85,15 @@ def share_object(obj: Any, transport: Any, src: int, posted: Any = None) -> Any:
         transport: the pipeline's :class:`~lightning_pipe.transport.Transport`.
         src: the pipeline rank that sends.
         posted: what :func:`post_share` returned on this rank for this call, if it was called.
+        wait: whether ``src`` waits until its message has left (gloo); without, the next step waits
+            for it (see :meth:`~lightning_pipe.transport.Transport.send_bytes`): only where a step follows.
     """
     if transport.batched:
         return broadcast_object(obj, transport.ranks[src], transport.group, transport.device)
-    if transport.pp_rank == src:
-        transport.send_bytes(dumps(obj), [r for r in range(transport.num_ranks) if r != src])
-        return obj
     what = f"what pipeline rank {src} shares (a step's results, or the state its steps built)"
+    if transport.pp_rank == src:
+        transport.send_bytes(dumps(obj), [r for r in range(transport.num_ranks) if r != src], what if wait else None)
+        return obj
     return pickle.loads(transport.recv_bytes(src, what, posted))
 
 

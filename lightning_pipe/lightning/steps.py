@@ -85,14 +85,16 @@ class StepRunner:
         """Run the user's step on microbatch ``i`` with the body in ``mode``; BodyReached passes through.
 
         A training step that writes into its batch (``x.mul_(0.5)``) would write into memory all the
-        step's microbatches share (they are views of the batch), changing what earlier microbatches
-        saved for their backward: autograd would stop the step. The first training step's runs are
-        watched for such writes; after one, every run gets a copy of its microbatch.
+        step's microbatches share (they are views of the batch, and a tensor given whole is the same
+        object in each), changing what earlier microbatches saved for their backward (autograd would
+        stop the step) or what later runs read (where one process runs a microbatch twice, under
+        ZB-V). So the first training step's runs each get a copy of their microbatch, watched for
+        writes; after one, every later run gets a copy too.
         """
-        training = self.hook == "training_step"
-        if self.copies_batch and training:
+        watch_writes = self.first_training_step and not self.copies_batch
+        if watch_writes or self.copies_batch and self.hook == "training_step":
             batch = copy_tensors(batch)
-        versions = tensor_versions(batch) if self.first_training_step and not self.copies_batch else None
+        versions = tensor_versions(batch) if watch_writes else None
         self.pipeline.reseed(i, rng.USER_STEP)
         self.recorder.start_microbatch()
         snapshot = self.effects.before(self.hook, whole=mode != "stop" or self.runs_whole_too)

@@ -596,7 +596,7 @@ class PipeStrategy(DDPStrategy):
         return out
 
     def _post_results(self) -> Any:
-        """Before a step: post this rank's receive of the step's results (see :func:`post_share`)."""
+        """Post this rank's receive of the step's results ahead of them (see :func:`post_share`)."""
         return post_share(self._pipeline.transport, self.stage_ranks[-1]) if self.pp_size > 1 else None
 
     def _share_results(self, summary: Optional[tuple], posted: Any, hook: str,
@@ -615,7 +615,8 @@ class PipeStrategy(DDPStrategy):
             mine = loaded.value() if loaded is not None else None
             payload = (summary, logs.metric_states(module, self.split.path), trainer.should_stop, mine)
         if self.pp_size > 1:
-            payload = share_object(payload, self._pipeline.transport, self.stage_ranks[-1], posted)
+            # not waited for until the next step's sends are: every other rank takes it in this step
+            payload = share_object(payload, self._pipeline.transport, self.stage_ranks[-1], posted, wait=False)
         (loss, calls, extras, normalizer), metric_states, should_stop, theirs = payload
         if not last:
             batches.check(loaded, theirs, hook, trainer.global_step, self.global_rank,
@@ -831,6 +832,8 @@ class PipeStrategy(DDPStrategy):
             self._pipeline.replicas.close()  # its hooks on the parameters
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if self._pipeline is not None and not getattr(self, "_failed", False):
+            self._pipeline.transport.finish()  # the last step's results: gloo sends them once a receiver asks
         if self.split is not None and self.split.installed and not getattr(self, "_failed", False):
             if fitting and not self._train_ended:  # Lightning skips on_train_end when the fit trains no step
                 self.on_train_end()  # (max_steps=0, limit_train_batches=0), which left each rank its stage only
