@@ -249,10 +249,10 @@ class Transport:
         The first message has a fixed size, :data:`FIRST_BYTES`: the data's length, then its start;
         the rest, if any, follows in a second message. A receiver can therefore post the first
         receive before the data exists (:meth:`post_bytes`). Without ``what`` it is not waited for
-        here: the next :meth:`finish` waits for it with the next step's sends (a wait of its own
-        costs a hand-off to a helper thread, 0.25 ms at the end of every step of
-        ``benchmarks/glue_cost.py``). Only for what is sure to be followed by a step or received
-        before the receiver can go on: gloo sends the data only once the receiver asks for it.
+        here: the next :meth:`finish` waits for it with the next step's sends (a wait of its own is
+        one more hand-off to a helper thread). Only for what is sure to be followed by a step or a
+        :meth:`finish` (PipeStrategy's teardown calls it): gloo sends the data only once the
+        receiver asks for it.
         """
         framed = bytearray(len(data).to_bytes(8, "little")) + data
         framed += bytes(max(FIRST_BYTES - len(framed), 0))

@@ -92,7 +92,10 @@ class StepRunner:
         writes; after one, every later run gets a copy too.
         """
         watch_writes = self.first_training_step and not self.copies_batch
-        if watch_writes or self.copies_batch and self.hook == "training_step":
+        # an evaluation step's run up to the body on the process that then runs it whole (ZB-V) gets a copy: its
+        # writes into the batch would reach the whole run, which reads the same batch (not watched: no backward)
+        if watch_writes or self.copies_batch and self.hook == "training_step" \
+                or self.runs_whole_too and mode == "stop" and self.hook != "training_step":
             batch = copy_tensors(batch)
         versions = tensor_versions(batch) if watch_writes else None
         self.pipeline.reseed(i, rng.USER_STEP)
