@@ -142,6 +142,12 @@ class Float32RMSNorm(nn.RMSNorm):
         return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
 
 
+def shift_in_place(labels: torch.Tensor) -> None:
+    """A validation step's write into its batch, read after the body (under ZB-V process 0 wrote it twice, in
+    both runs of the step)."""
+    labels.copy_(torch.where(labels >= 0, (labels + 1) % VOCAB, labels))
+
+
 class LMBase(pl.LightningModule):
     """Token-mean cross entropy over non-padding tokens, declared with num_items."""
 
@@ -205,8 +211,7 @@ class LlamaStyle(LMBase):
 
     def validation_step(self, batch, batch_idx):
         tokens, labels = batch
-        # writes into its batch, read after the body (under ZB-V process 0 wrote it twice: in both runs of the step)
-        labels.copy_(torch.where(labels >= 0, (labels + 1) % VOCAB, labels))
+        shift_in_place(labels)
         logits = self.logits(tokens)
         loss, count = self._loss(logits, labels)
         self.log("val_loss", loss)
@@ -475,6 +480,7 @@ class MeanTokenLlama(LlamaStyle):
 
     def validation_step(self, batch, batch_idx):  # logs the mean, returns nothing: the log folds by its tokens
         tokens, labels = batch
+        shift_in_place(labels)
         logits = self.logits(tokens)
         self.log("val_loss", F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)))
         keep = labels != -100

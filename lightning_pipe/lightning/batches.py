@@ -25,9 +25,9 @@ From its second training step on, a rank other than the last reads its values wh
 waits in the step, not before the step (:func:`fingerprint` with ``deferred``): at its start the
 whole pipeline waits for the first stage. The first step is read before it runs: a step may write
 into its batch in place, and from the first write on, each run of the step gets a copy of its
-microbatch (see :class:`~lightning_pipe.lightning.steps.StepRunner`). A step that writes into the
-batch itself before the read anyway leaves that step's fingerprint without a value; it is not
-compared, and the rank reads its values before its later steps.
+microbatch (see :class:`~lightning_pipe.lightning.steps.StepRunner`). A write into the batch
+itself before the read (a step that starts writing only later) leaves that step's fingerprint
+without a value; it is not compared, and the rank reads its values before its later steps.
 """
 
 from __future__ import annotations
