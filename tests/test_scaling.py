@@ -323,3 +323,15 @@ def test_resume_after_a_failure_loses_nothing_checkpointed(tmp_path_factory, fai
     )
     _assert_same_weights(result, pipe2x2)
     torch.testing.assert_close(result["predictions"], pipe2x2["predictions"])
+
+
+def test_a_hung_launch_prints_the_stack_of_every_process_it_started(tmp_path):
+    """A hang that fails a test says where each process was: the script and a child it started (Lightning starts
+    the other ranks so), both still running when the launch is killed."""
+    child = "import time\ndef child_waits():\n    time.sleep(60)\nchild_waits()"
+    script = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\n"
+              "def parent_waits():\n    time.sleep(60)\nparent_waits()")
+    codes, seconds, survivors, (output,) = Launch(tmp_path, [[sys.executable, "-c", script]], _env()).finish(3)
+    assert codes == [None] and len(survivors) == 2
+    assert "in parent_waits" in output and "in child_waits" in output, output
+    assert not [name for name in os.listdir(ROOT) + os.listdir(tmp_path) if name.startswith("core")]  # no core files
