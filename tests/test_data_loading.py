@@ -12,8 +12,9 @@
   with ``BatchMismatchError``.
 - A step that writes into its batch in place (``x.mul_(0.5)``): the microbatches are views of the
   batch, so the write into one changed what the others saved for backward, and autograd stopped
-  the step; each run now gets its own copy once a write is seen. The first stage, which reads its
-  fingerprint's values where it first waits in a step, reads them before the first step.
+  the step; each run of the first step now gets its own copy, and every later run once a write was
+  seen. The first stage, which reads its fingerprint's values where it first waits in a step, reads
+  them before the first step.
 
 The app (``main``) runs in the shared launches of ``tests/lm_app.py`` (see ``APPS`` in conftest.py).
 """
