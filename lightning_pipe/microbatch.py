@@ -26,7 +26,10 @@ than given whole to every microbatch: convert them to a dict, tuple or namedtupl
 ``collate_fn`` (or in ``LightningModule.on_before_batch_transfer``).
 
 ``torch.tensor_split`` decides the sizes, so 10 samples in 4 microbatches are 3, 3, 2, 2, and a
-batch smaller than the requested number of microbatches gives one microbatch per sample.
+batch smaller than the requested number of microbatches gives one microbatch per sample. A slice
+shares the batch's memory but counts its own writes (its own version counter, unless the tensor
+requires grad): a stage or criterion that writes into its microbatch in place trains as one
+process writing into the batch once.
 """
 
 from __future__ import annotations
@@ -336,22 +339,37 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
         elif isinstance(leaf, (list, tuple)):  # a per-sample sequence (the only list or tuple leaf)
             columns.append([leaf[end - size:end] for end, size in bounds])
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            columns.append(torch.tensor_split(leaf, num_microbatches, dim=batch_dim))
+            columns.append(_own_versions(torch.tensor_split(leaf, num_microbatches, dim=batch_dim), leaf))
         else:
             columns.append([leaf] * num_microbatches)
     return [tree_unflatten([column[i] for column in columns], spec) for i in range(num_microbatches)]
 
 
+def _own_versions(parts: Sequence[torch.Tensor], tensor: torch.Tensor) -> Sequence[torch.Tensor]:
+    """``parts`` of ``tensor``, each with a version counter of its own where nothing flows back into ``tensor``.
+
+    Views share their base's version counter, so a write into one microbatch's samples (a stage's
+    ``x.mul_(0.5)``, a criterion's ``target.sub_(1)``) would look to autograd like a write into every
+    other microbatch's, and the backward of one that saved its input would stop ("modified by an
+    inplace operation") where one process writing into its batch once trains fine. The samples are
+    disjoint, so a counter per microbatch is exact. ``.data`` is torch's alias of the same memory
+    without the version counter; a tensor that requires grad keeps its views (its gradient flows back).
+    """
+    if tensor.requires_grad or tensor.is_inference() or type(tensor) is not torch.Tensor:
+        return parts
+    return [part.data for part in parts]
+
+
 def tensor_versions(tree: Any) -> List[int]:
-    """The version of each tensor in ``tree``: it grows with every write into the tensor or into a view of it
-    (a microbatch and the batch it was split from count each other's writes). Inference tensors have none.
+    """The version of each tensor in ``tree``: it grows with every write into the tensor or into a view of it.
+    Each microbatch :func:`scatter` makes counts its own writes only. Inference tensors have none.
 
     Example:
-        >>> batch = {"x": torch.zeros(4, 2)}
-        >>> before = tensor_versions(scatter((batch,), 2)[1])
-        >>> _ = scatter((batch,), 2)[0][0]["x"].add_(1)  # another microbatch, the same memory
-        >>> tensor_versions(scatter((batch,), 2)[1]) != before
-        True
+        >>> parts = scatter(({"x": torch.zeros(4, 2)},), 2)
+        >>> before = [tensor_versions(part) for part in parts]
+        >>> _ = parts[0][0]["x"].add_(1)
+        >>> [tensor_versions(part) for part in parts] == before, [tensor_versions(part) for part in parts]
+        (False, [[1], [0]])
     """
     leaves = tree_flatten(open_containers(tree, keep=False))[0]
     return [t._version for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]

@@ -143,8 +143,9 @@ class Float32RMSNorm(nn.RMSNorm):
 
 
 def shift_in_place(labels: torch.Tensor) -> None:
-    """A validation step's write into its batch, read after the body (under ZB-V process 0 wrote it twice, in
-    both runs of the step)."""
+    """A step's write into its batch, read after the body. Under ZB-V process 0 wrote it twice, in both runs
+    of the step; from the second training step on (the first is watched for writes), the microbatches'
+    shared version counter stopped the backward of every earlier microbatch whose loss had saved them."""
     labels.copy_(torch.where(labels >= 0, (labels + 1) % VOCAB, labels))
 
 
@@ -198,6 +199,8 @@ class LlamaStyle(LMBase):
 
     def training_step(self, batch, batch_idx):
         tokens, labels = batch
+        if batch_idx > 0:  # a write into the batch that the first step, watched for writes, does not make
+            shift_in_place(labels)
         logits = self.logits(tokens)
         loss, count = self._loss(logits, labels)
         self.log("train_loss", loss)

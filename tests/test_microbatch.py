@@ -158,3 +158,15 @@ def test_gather_concatenates_per_sample_lists_and_refuses_outputs_of_another_str
     assert even[1] == ["a", "b", "c", "d"]
     with pytest.raises(ConfigurationError, match="outputs of microbatches 0 and 1 differ in structure"):
         gather([{"x": torch.zeros(2)}, {"x": torch.zeros(2), "y": torch.zeros(2)}])
+
+
+def test_each_microbatch_counts_its_own_writes_into_the_memory_it_shares_with_the_batch():
+    batch = torch.zeros(4, 2)
+    first, second = (part[0] for part in scatter((batch,), chunks=2))
+    first.add_(1)
+    assert (first._version, second._version) == (1, 0)  # autograd sees no write into the second's samples
+    assert batch[:2].eq(1).all() and batch[2:].eq(0).all()  # the batch's memory, written once
+
+    leaf = torch.zeros(4, 2, requires_grad=True)  # its gradient flows back through views of it
+    parts = [part[0] for part in scatter((leaf,), chunks=2)]
+    assert all(part._base is leaf for part in parts)

@@ -109,3 +109,48 @@ def test_a_leading_no_chunk_tensor_does_not_set_the_microbatch_sizes():
     """Regression: the sizes sent in the step header were read from the first tensor of each
     microbatch, which is a NoChunk tensor here (5 values), so the labels check failed."""
     distributed.run(_no_chunk_first, 2, timeout=120)
+
+
+class _HalvesItsInput(nn.Module):
+    """Writes into its input, as preprocessing written in place does (``x.sub_(mean).div_(std)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6).double()
+
+    def forward(self, x):
+        return self.linear(x.mul_(0.5))
+
+
+def _doubled_target_loss(output, target):
+    return nn.functional.mse_loss(output, target.mul_(2))  # writes into its labels
+
+
+def _writes_into_inputs(rank, world, schedule):
+    torch.manual_seed(0)
+    full = nn.Sequential(_HalvesItsInput(), nn.Tanh(), nn.Linear(6, 6).double())
+    reference = copy.deepcopy(full)
+    pipe = SCHEDULES[schedule](partition(full, rank, world), chunks=4)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    ref_x, ref_y = x.clone(), y.clone()  # the reference writes into its own batch, once
+    ref_loss = _doubled_target_loss(reference(ref_x), ref_y)
+    ref_loss.backward()
+    loss, _ = pipe.forward_backward(x, criterion=_doubled_target_loss, labels=(y,))
+    if rank == world - 1:
+        torch.testing.assert_close(loss, ref_loss.detach())
+        torch.testing.assert_close(y, ref_y)  # each sample's label written once, as in one step
+    else:
+        torch.testing.assert_close(x, ref_x)
+    ref_params = dict(reference.named_parameters())
+    for name, p in full.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref_params[name].grad)
+    return True
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_stages_that_write_into_their_microbatch_train_as_one_process(schedule):
+    """Regression: the microbatches were views of the batch sharing its version counter, so the
+    second microbatch's write into its own samples looked to autograd like a write into what the
+    first had saved for its backward ("modified by an inplace operation"); one process writes once."""
+    distributed.run(_writes_into_inputs, 2, schedule, timeout=120)

@@ -26,8 +26,9 @@ waits in the step, not before the step (:func:`fingerprint` with ``deferred``): 
 whole pipeline waits for the first stage. The first step is read before it runs: a step may write
 into its batch in place, and from the first write on, each run of the step gets a copy of its
 microbatch (see :class:`~lightning_pipe.lightning.steps.StepRunner`). A write into the batch
-itself before the read (a step that starts writing only later) leaves that step's fingerprint
-without a value; it is not compared, and the rank reads its values before its later steps.
+before the read (a step that starts writing only later; a microbatch's slice counts its own
+writes, so the runner tells of those) leaves that step's fingerprint without a value; it is not
+compared, and the rank reads its values before its later steps.
 """
 
 from __future__ import annotations
@@ -68,11 +69,12 @@ class Fingerprint:
         self._copies: Optional[List[Tuple[torch.Tensor, Any]]] = None  # per device: the sums on the host, copy event
         self.written = False
 
-    def compute(self) -> None:
-        """Read the sampled values now (a second call does nothing)."""
+    def compute(self, written: bool = False) -> None:
+        """Read the sampled values now (a second call does nothing); ``written``: the caller saw a write into the
+        batch's memory that the batch's own tensors do not count (a microbatch's slice has its own version)."""
         if self._copies is not None or self.written:
             return
-        if any(version is not None and t._version != version for t, version in self._tensors):
+        if written or any(version is not None and t._version != version for t, version in self._tensors):
             self.written = True
             return
         self._copies = []

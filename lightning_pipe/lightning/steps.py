@@ -61,6 +61,7 @@ class StepRunner:
         self.targets = MeanTargets()  # what a cross_entropy loss averaged over, in the run that returns the loss
         self.copies_batch = False  # the training step writes into its batch: each run gets a copy (see run)
         self._training_steps = 0
+        self._uncopied: list = []  # the microbatches this training step's runs up to the body were given as split
         recorder.count_of = self.targets.count_of  # a logged one folds by it too
         self._warned_targets = False
 
@@ -68,6 +69,15 @@ class StepRunner:
         """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
         self.hook, self.hook_args, self.pipeline, self.account = hook, hook_args, pipeline, None
         self._training_steps += hook == "training_step"
+        self._uncopied = []
+
+    def wrote_into_batch(self) -> bool:
+        """Whether a training step's run up to the body so far wrote into its microbatch (not into a copy).
+
+        Each slice :func:`~lightning_pipe.microbatch.scatter` makes starts at version 0; a tensor given
+        whole that was written into before the step counts as written (it only makes the caller careful).
+        """
+        return any(any(tensor_versions(batch)) for batch in self._uncopied)
 
     @property
     def first_training_step(self) -> bool:
@@ -84,19 +94,21 @@ class StepRunner:
             checkpoint_layers: bool = False) -> Any:
         """Run the user's step on microbatch ``i`` with the body in ``mode``; BodyReached passes through.
 
-        A training step that writes into its batch (``x.mul_(0.5)``) would write into memory all the
-        step's microbatches share (they are views of the batch, and a tensor given whole is the same
-        object in each), changing what earlier microbatches saved for their backward (autograd would
-        stop the step) or what later runs read (where one process runs a microbatch twice, under
-        ZB-V). So the first training step's runs each get a copy of their microbatch, watched for
-        writes; after one, every later run gets a copy too.
+        A step may write into its batch (``x.mul_(0.5)``). Each microbatch's slice of a tensor is its
+        own (with its own version counter, see :func:`~lightning_pipe.microbatch.scatter`), but a tensor
+        given whole is the same object in every microbatch, so each run would write into it again; and
+        where one process runs a microbatch twice (under ZB-V) the whole run would read what the run up
+        to the body wrote. So the first training step's runs each get a copy of their microbatch,
+        watched for writes; after one, every later run gets a copy too. The run up to the body under
+        ZB-V always gets one.
         """
         watch_writes = self.first_training_step and not self.copies_batch
-        # an evaluation step's run up to the body on the process that then runs it whole (ZB-V) gets a copy: its
-        # writes into the batch would reach the whole run, which reads the same batch (not watched: no backward)
-        if watch_writes or self.copies_batch and self.hook == "training_step" \
-                or self.runs_whole_too and mode == "stop" and self.hook != "training_step":
+        # the run up to the body on the process that then runs the step whole (ZB-V) gets a copy: its writes into
+        # the batch would reach the whole run, which reads the same memory
+        if watch_writes or self.copies_batch and self.hook == "training_step" or self.runs_whole_too and mode == "stop":
             batch = copy_tensors(batch)
+        elif mode == "stop" and self.hook == "training_step":
+            self._uncopied.append(batch)
         versions = tensor_versions(batch) if watch_writes else None
         self.pipeline.reseed(i, rng.USER_STEP)
         self.recorder.start_microbatch()
