@@ -33,7 +33,14 @@ line is ``glue_vs_plain=<x>``: the median Lightning step over the median plain s
 1.05). The line before the last three gives the median of the per-pair ratios, which cancels slow
 drift better.
 
+With ``--actions`` (measurement only: recording costs about a microsecond per action), both
+pipelines record their steps (:meth:`lightning_pipe.Pipeline.trace_steps`) and the script also
+prints, per rank and per action of the schedule, the median start (from the step's start) and
+duration in each kind of step, and what comes after the rank's last action: where the Lightning
+step's extra time builds up.
+
     python benchmarks/glue_cost.py      # about 30 s on 2 cores; Lightning starts rank 1 itself
+    python benchmarks/glue_cost.py --actions
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import lightning_pipe  # noqa: E402
 from lightning_pipe.lightning import logs  # noqa: E402
 
 WIDTH, DEPTH, BATCH, MICROBATCHES, STEPS, WARMUP = 512, 8, 64, 4, 110, 10
+ACTIONS = "--actions" in sys.argv[1:]  # Lightning starts rank 1 with the same arguments
 
 
 class Model(pl.LightningModule):
@@ -86,6 +94,7 @@ class StepTimer(pl.Callback):
         # per step, on this rank: seconds in PipeStrategy.training_step and .backward (ours), and in the optimizer's
         # own step and zero_grad, its closure (the user's step, Lightning's closure and ours) excluded (torch's)
         self.ours, self.optimizer = [], []
+        self.starts, self.recorders, self.tables = [], None, None  # for --actions
 
     def on_train_start(self, trainer, pl_module):
         self._plain = PlainSteps(dist.get_rank())
@@ -105,6 +114,8 @@ class StepTimer(pl.Callback):
                 self.optimizer[-1] += time.perf_counter() - start - inside[0]
 
         optimizer.step = step_without_closure
+        if ACTIONS:
+            self.recorders = (trainer.strategy.pipeline.trace_steps(keep=STEPS), self._plain.pipe.trace_steps(keep=STEPS))
 
     @staticmethod
     def _timed(method, totals):
@@ -125,6 +136,7 @@ class StepTimer(pl.Callback):
         self.optimizer.append(0.0)
         dist.barrier()  # both steps start with the ranks together (see the module's docstring)
         self._start = time.perf_counter()
+        self.starts.append(self._start)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.times.append(time.perf_counter() - self._start)
@@ -133,8 +145,34 @@ class StepTimer(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         per_rank = [None] * dist.get_world_size()
         stale = trainer.strategy._stale
-        dist.all_gather_object(per_rank, (self.log_times, stale is not None and bool(stale._skipped)))
+        table = action_table(self.recorders, (self.starts, self._plain.starts), (self.times, self.plain_times)) \
+            if ACTIONS else None
+        dist.all_gather_object(per_rank, (self.log_times, stale is not None and bool(stale._skipped), table))
         self.log_times, self.skipped = per_rank[0][0], per_rank[-1][1]
+        self.tables = [rank[2] for rank in per_rank]
+
+
+def action_table(recorders, starts, times) -> list:
+    """Per action of this rank's schedule: the median start and duration in ms, in a Lightning step and in a plain
+    one (the steps after WARMUP), then the time from the end of the rank's last action to the step's end."""
+    rows = []
+    medians = []
+    for recorder, begins, spans in zip(recorders, starts, times):
+        records = recorder.records[WARMUP:]
+        assert len(records) == len(begins) - WARMUP, "one pipeline step per training step"
+        per_action: dict = {}
+        tails = []
+        for record, begin, span in zip(records, begins[WARMUP:], spans[WARMUP:]):
+            for action, start, end in record.compute:
+                per_action.setdefault(str(action), []).append((1e3 * (start - begin), 1e3 * (end - start)))
+            tails.append(1e3 * (begin + span - record.compute[-1][2]))
+        medians.append(({name: tuple(statistics.median(v[k] for v in values) for k in (0, 1))
+                         for name, values in per_action.items()}, statistics.median(tails)))
+    (ours, our_tail), (plain, plain_tail) = medians
+    for name in ours:
+        rows.append((name, *ours[name], *plain[name]))
+    rows.append(("after", our_tail, None, plain_tail, None))
+    return rows
 
 
 def data() -> torch.utils.data.TensorDataset:
@@ -155,11 +193,13 @@ class PlainSteps:
         self.pipe = lightning_pipe.PipeDream(stage, chunks=MICROBATCHES)
         self.optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
         self.x, self.y = data().tensors
+        self.starts = []
 
     def step(self, step: int) -> float:
         xb, yb = (t[step * BATCH:(step + 1) * BATCH] for t in (self.x, self.y))
         dist.barrier()
         start = time.perf_counter()
+        self.starts.append(start)
         self.pipe.forward_backward(*((xb,) if self.rank == 0 else ()), labels=(yb,) if self.rank == 1 else (),
                                    criterion=nn.functional.mse_loss if self.rank == 1 else None)
         self.optimizer.step()
@@ -242,7 +282,22 @@ def main() -> None:
         print(f"Lightning's own loop in this run (rank 0: the step outside PipeStrategy's training_step and backward "
               f"and the optimizer's own step and zero_grad, plus its self.log): {1e3 * in_run:.2f} ms; the rest over "
               f"the plain step: glue_own_in_run_vs_plain={own / base:.3f}")
+        if ACTIONS:
+            print_actions(timer.tables)
         print(f"glue_vs_plain={ours / base:.3f}")
+
+
+def print_actions(tables) -> None:
+    print("per rank, per action (median over the timed steps, ms from the step's start): start and duration in the "
+          "Lightning step, then in the plain step; 'after': from the end of the rank's last action to the step's end")
+    for rank, rows in enumerate(tables):
+        print(f"rank {rank}: action    start  duration | plain start  duration | extra duration")
+        for name, start, duration, plain_start, plain_duration in rows:
+            if duration is None:
+                print(f"  {name:>6} {start:9.2f}           | {plain_start:11.2f}           |")
+            else:
+                print(f"  {name:>6} {start:9.2f} {duration:9.2f} | {plain_start:11.2f} {plain_duration:9.2f} | "
+                      f"{duration - plain_duration:+14.2f}")
 
 
 if __name__ == "__main__":

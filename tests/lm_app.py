@@ -477,6 +477,8 @@ class MeanTokenLlama(LlamaStyle):
 
     def training_step(self, batch, batch_idx):
         tokens, labels = batch
+        if batch_idx > 0:  # as LlamaStyle's, which the reference runs
+            shift_in_place(labels)
         loss = F.cross_entropy(self.logits(tokens).reshape(-1, VOCAB), labels.reshape(-1))  # ignore_index=-100
         self.log("train_loss", loss)
         return loss + 0 if self.derived else loss

@@ -328,10 +328,15 @@ def test_resume_after_a_failure_loses_nothing_checkpointed(tmp_path_factory, fai
 def test_a_hung_launch_prints_the_stack_of_every_process_it_started(tmp_path):
     """A hang that fails a test says where each process was: the script and a child it started (Lightning starts
     the other ranks so), both still running when the launch is killed."""
-    child = "import time\ndef child_waits():\n    time.sleep(60)\nchild_waits()"
-    script = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\n"
+    # the child writes its stack to a file of its own (where the launch's environment turned the fault handler on):
+    # two processes writing to one pipe at once interleave their stacks character by character
+    child = ("import faulthandler, sys, time\nif faulthandler.is_enabled():\n"
+             "    faulthandler.enable(open(sys.argv[1], 'w'))\ndef child_waits():\n    time.sleep(60)\nchild_waits()")
+    child_stack = tmp_path / "child_stack.txt"
+    script = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}, {str(child_stack)!r}])\n"
               "def parent_waits():\n    time.sleep(60)\nparent_waits()")
     codes, seconds, survivors, (output,) = Launch(tmp_path, [[sys.executable, "-c", script]], _env()).finish(3)
     assert codes == [None] and len(survivors) == 2
-    assert "in parent_waits" in output and "in child_waits" in output, output
+    assert "in parent_waits" in output, output
+    assert "in child_waits" in child_stack.read_text(), output
     assert not [name for name in os.listdir(ROOT) + os.listdir(tmp_path) if name.startswith("core")]  # no core files
