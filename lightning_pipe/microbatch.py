@@ -27,9 +27,12 @@ than given whole to every microbatch: convert them to a dict, tuple or namedtupl
 
 ``torch.tensor_split`` decides the sizes, so 10 samples in 4 microbatches are 3, 3, 2, 2, and a
 batch smaller than the requested number of microbatches gives one microbatch per sample. A slice
-shares the batch's memory but counts its own writes (its own version counter, unless the tensor
-requires grad): a stage or criterion that writes into its microbatch in place trains as one
-process writing into the batch once.
+shares the batch's memory but counts its own writes (its own version counter), so a stage or
+criterion that writes into its microbatch in place trains as one process writing into the batch
+once; except where that would hide a write from autograd or from a gradient: slices of a tensor
+that requires grad, of an inference tensor or a tensor subclass, and of tensors whose memory
+another tensor of the batch shares (``tokens[:, :-1]`` and ``tokens[:, 1:]``) stay views, which
+share their tensor's counter. A tensor given whole is the same object in every microbatch.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import dataclasses
 import itertools
 from collections import UserDict
 from collections.abc import Mapping
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 # torch's pytree helpers are private but stable and used throughout torch.distributed; a public
@@ -312,10 +315,12 @@ def batch_size_of(inputs: Any, batch_dim: int = 0) -> int:
     return found.pop()
 
 
-def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
+def scatter(inputs: Any, chunks: int, batch_dim: int = 0, own_versions: bool = True) -> List[Any]:
     """Split ``inputs`` into ``min(chunks, batch size)`` microbatches of the same structure.
 
     Tensors and per-sample lists are split, everything else is given whole (see the module docstring).
+    With ``own_versions`` (the default) a slice counts its own writes where that is exact (see
+    :func:`_own_versions`); without it, every slice is a view sharing its tensor's version counter.
 
     Example:
         >>> parts = scatter((torch.arange(10), "tag"), chunks=4)
@@ -330,6 +335,7 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
                                 is_leaf=lambda x: isinstance(x, (NoChunk, _Samples)) or is_sample_list(x, batch_size))
     sizes = microbatch_sizes(batch_size, num_microbatches)
     bounds = list(zip(itertools.accumulate(sizes), sizes))
+    shared = _shared_storages(leaves) if own_versions else None
     columns = []
     for leaf in leaves:
         if isinstance(leaf, NoChunk):
@@ -339,7 +345,8 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0) -> List[Any]:
         elif isinstance(leaf, (list, tuple)):  # a per-sample sequence (the only list or tuple leaf)
             columns.append([leaf[end - size:end] for end, size in bounds])
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            columns.append(_own_versions(torch.tensor_split(leaf, num_microbatches, dim=batch_dim), leaf))
+            parts = torch.tensor_split(leaf, num_microbatches, dim=batch_dim)
+            columns.append(_own_versions(parts, leaf) if shared is not None and _storage(leaf) not in shared else parts)
         else:
             columns.append([leaf] * num_microbatches)
     return [tree_unflatten([column[i] for column in columns], spec) for i in range(num_microbatches)]
@@ -352,27 +359,68 @@ def _own_versions(parts: Sequence[torch.Tensor], tensor: torch.Tensor) -> Sequen
     ``x.mul_(0.5)``, a criterion's ``target.sub_(1)``) would look to autograd like a write into every
     other microbatch's, and the backward of one that saved its input would stop ("modified by an
     inplace operation") where one process writing into its batch once trains fine. The samples are
-    disjoint, so a counter per microbatch is exact. ``.data`` is torch's alias of the same memory
-    without the version counter; a tensor that requires grad keeps its views (its gradient flows back).
+    disjoint, so a counter per microbatch is exact as long as no other tensor of the batch shares the
+    memory (:func:`scatter` keeps views for those: ``inputs = tokens[:, :-1]``, ``labels = tokens[:, 1:]``
+    must see each other's writes). ``.data`` is torch's alias of the same memory without the version
+    counter. A tensor that requires grad (its gradient flows back), an inference tensor and a tensor
+    subclass keep their views.
     """
     if tensor.requires_grad or tensor.is_inference() or type(tensor) is not torch.Tensor:
         return parts
     return [part.data for part in parts]
 
 
-def tensor_versions(tree: Any) -> List[int]:
-    """The version of each tensor in ``tree``: it grows with every write into the tensor or into a view of it.
-    Each microbatch :func:`scatter` makes counts its own writes only. Inference tensors have none.
+def _storage(tensor: torch.Tensor) -> Tuple[torch.device, int]:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def _shared_storages(leaves: Sequence[Any]) -> set:
+    """The memory (device, storage) that more than one tensor of ``leaves`` uses (NoChunk's included)."""
+    seen, shared = set(), set()
+    for leaf in leaves:
+        tensor = leaf.tensor if isinstance(leaf, NoChunk) else leaf
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+            key = _storage(tensor)
+            (shared if key in seen else seen).add(key)
+    return shared
+
+
+def shares_memory(first: Any, second: Any) -> bool:
+    """Whether a tensor of ``first`` and one of ``second`` use the same memory (containers opened as
+    :func:`scatter` opens them).
+
+    Example:
+        >>> tokens = torch.arange(12).reshape(2, 6)
+        >>> shares_memory((tokens[:, :-1],), (tokens[:, 1:],)), shares_memory((tokens,), (tokens.clone(),))
+        (True, False)
+    """
+    keys = []
+    for tree in (first, second):
+        leaves = tree_flatten(open_containers(tree, keep=False), is_leaf=lambda x: isinstance(x, NoChunk))[0]
+        keys.append({_storage(t) for t in (leaf.tensor if isinstance(leaf, NoChunk) else leaf for leaf in leaves)
+                     if isinstance(t, torch.Tensor) and t.layout == torch.strided})
+    return bool(keys[0] & keys[1])
+
+
+def tensor_versions(tree: Any) -> List[Tuple[torch.Tensor, int]]:
+    """Each tensor in ``tree`` with its version, which grows with every write into the tensor or into a view
+    of it (each microbatch :func:`scatter` makes counts its own writes); see :func:`written_since`. The
+    tensors are kept, so a write still counts after the tree drops them. Inference tensors have no version.
 
     Example:
         >>> parts = scatter(({"x": torch.zeros(4, 2)},), 2)
         >>> before = [tensor_versions(part) for part in parts]
-        >>> _ = parts[0][0]["x"].add_(1)
-        >>> [tensor_versions(part) for part in parts] == before, [tensor_versions(part) for part in parts]
-        (False, [[1], [0]])
+        >>> parts[0][0]["x"] = parts[0][0]["x"].add_(1).double()  # written, then replaced
+        >>> [written_since(versions) for versions in before]
+        [True, False]
     """
     leaves = tree_flatten(open_containers(tree, keep=False))[0]
-    return [t._version for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
+    return [(t, t._version) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
+
+
+def written_since(versions: List[Tuple[torch.Tensor, int]]) -> bool:
+    """Whether a tensor of :func:`tensor_versions`'s result was written into since."""
+    return any(t._version != version for t, version in versions)
 
 
 def copy_tensors(tree: Any) -> Any:

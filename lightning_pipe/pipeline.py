@@ -25,7 +25,8 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel, end_process_groups_at_exit
 from lightning_pipe.memory import ActivationMeter, MeterOff
-from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, open_containers, scatter
+from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, open_containers, scatter, \
+    shares_memory
 from lightning_pipe.partition import TIES_ATTRIBUTE
 from lightning_pipe.replicas import ReplicaSync
 from lightning_pipe.schedule import ALL_SCHEDULES, forward_only, make_table, validate
@@ -262,12 +263,12 @@ class Pipeline(Tracing):
             self._rows[key] = validate(tables, routes)[self.pp_rank]
         return self._rows[key]
 
-    def _start_step(self, inputs: tuple) -> Tuple[Optional[list], list]:
+    def _start_step(self, inputs: tuple, own_versions: bool = True) -> Tuple[Optional[list], list]:
         """Split the inputs on rank 0 (stage 0) and agree on the step's microbatches with every rank."""
         microbatches = None
         header = None
         if self.pp_rank == 0:
-            microbatches = scatter(tuple(inputs), self.chunks, self.batch_dim)
+            microbatches = scatter(tuple(inputs), self.chunks, self.batch_dim, own_versions)
             signature = (torch.is_grad_enabled(), _input_signature(tuple(inputs), self.chunks, self.batch_dim))
             fresh = signature != self._signature or self.variable_messages
             self._signature = signature
@@ -281,7 +282,7 @@ class Pipeline(Tracing):
         self.last_sizes = header[3 : 3 + num_microbatches]
         return microbatches, self.last_sizes
 
-    def _split_labels(self, labels: tuple, sizes: Sequence[int]) -> list:
+    def _split_labels(self, labels: tuple, sizes: Sequence[int], own_versions: bool) -> list:
         if not labels:
             return [()] * len(sizes)
         got = microbatch_sizes(batch_size_of(labels, self.batch_dim), len(sizes))
@@ -290,11 +291,12 @@ class Pipeline(Tracing):
                 f"labels split into microbatches of sizes {got} but the inputs into {list(sizes)}; "
                 "labels need the inputs' batch size along batch_dim"
             )
-        return scatter(tuple(labels), len(sizes), self.batch_dim)
+        return scatter(tuple(labels), len(sizes), self.batch_dim, own_versions)
 
-    def _loss_fn(self, criterion, labels, sizes, loss_scale, loss_reduction, losses) -> Callable[[int, tuple], torch.Tensor]:
+    def _loss_fn(self, criterion, labels, sizes, loss_scale, loss_reduction, losses,
+                 own_versions: bool) -> Callable[[int, tuple], torch.Tensor]:
         """The last stage's per-microbatch loss: weighted, scaled for backward, recorded."""
-        label_parts = self._split_labels(tuple(labels), sizes)
+        label_parts = self._split_labels(tuple(labels), sizes, own_versions)
         total = float(sum(sizes))
 
         def loss_fn(i: int, outputs: tuple) -> torch.Tensor:
@@ -347,10 +349,14 @@ class Pipeline(Tracing):
         """
         if loss_reduction not in ("mean", "sum"):
             raise ConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        microbatches, sizes = self._start_step(inputs)
+        # inputs and labels are split apart: where a rank holding both ends splits memory they share (an autoencoder's
+        # labels=(x,)), the slices keep their views, whose writes autograd sees across both as one process's would
+        own_versions = not (self.pp_rank == 0 and self.holds_last and labels and shares_memory(tuple(inputs), tuple(labels)))
+        microbatches, sizes = self._start_step(inputs, own_versions)
         num_microbatches = len(sizes)
         losses: Dict[int, torch.Tensor] = {}
-        loss_fn = self._loss_fn(criterion, labels, sizes, loss_scale, loss_reduction, losses) if self.holds_last else None
+        loss_fn = self._loss_fn(criterion, labels, sizes, loss_scale, loss_reduction, losses, own_versions) \
+            if self.holds_last else None
         row = self._row(self.schedule, num_microbatches)
         replicas = self.replicas if sync_replicas else None
         before = replicas.begin((self.schedule, num_microbatches), row) if replicas is not None else None

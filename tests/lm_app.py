@@ -144,8 +144,9 @@ class Float32RMSNorm(nn.RMSNorm):
 
 def shift_in_place(labels: torch.Tensor) -> None:
     """A step's write into its batch, read after the body. Under ZB-V process 0 wrote it twice, in both runs
-    of the step; from the second training step on (the first is watched for writes), the microbatches'
-    shared version counter stopped the backward of every earlier microbatch whose loss had saved them."""
+    of the step; from the second training step on (the first is watched for writes), under GPipe, the
+    microbatches' shared version counter stopped the backward of every earlier microbatch whose loss had saved
+    them (1F1B's last stage runs each backward before the next forward)."""
     labels.copy_(torch.where(labels >= 0, (labels + 1) % VOCAB, labels))
 
 

@@ -366,6 +366,8 @@ def main(kind: str, root: str, out: str) -> None:
         def training_step(self, batch, batch_idx):
             x, y, names = batch.features["x"], batch.y, batch.features._encodings
             assert batch.rows == len(x)  # the microbatch's, from its own __post_init__
+            if batch_idx > 0:  # from the second step on (the first is watched for writes): written, then replaced
+                x = batch.features["x"] = x.mul_(0.5).clone()
             w = torch.tensor([1.0 if s.startswith("a") else 3.0 for s in names])
             logit = self.head(self.body(self.embed(x))).squeeze(-1)
             return (nn.functional.binary_cross_entropy_with_logits(logit, y, reduction="none") * w).mean()
@@ -394,7 +396,9 @@ def test_per_sample_strings_and_layer_wise_learning_rates_over_a_sequential_body
     """A dataclass batch holding a UserDict (Hugging Face's BatchEncoding) with the per-sample names as an
     attribute trains as under DDP (they were refused). Regressions: with 1-sample microbatches each got the whole
     list of names, so the weights tensor broadcast (a different loss, silently); and ``len``/``enumerate``/``[-1]`` of the body gave the
-    stage's layers only, so the learning rates of the layer-wise decay differed from DDP's."""
+    stage's layers only, so the learning rates of the layer-wise decay differed from DDP's. The step writes into its
+    input and puts a copy in its place from the second step on: the first stage, which reads its batch fingerprint
+    late, took the write for another batch (BatchMismatchError) when it looked for writes in the microbatch then."""
     ref = lm_runs("reference")[0]["test_batches_and_views_ddp"]
     got, _, output = lm_runs("world2")
     pipe = got["test_batches_and_views_pipe"]

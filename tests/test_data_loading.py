@@ -80,7 +80,7 @@ def main(kind: str, root: str, out: str) -> None:
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            x.mul_(0.5)  # writes into its batch, which each microbatch shares (it is a view of it)
+            x.mul_(0.5)  # writes into its batch from the first step on: every run gets a copy
             if batch_idx == 0:
                 self.logger.experiment  # before the body: global rank 0 runs this too, and it writes
             loss = nn.functional.mse_loss(self.head(self.body(self.embed(x))), y)

@@ -170,3 +170,16 @@ def test_each_microbatch_counts_its_own_writes_into_the_memory_it_shares_with_th
     leaf = torch.zeros(4, 2, requires_grad=True)  # its gradient flows back through views of it
     parts = [part[0] for part in scatter((leaf,), chunks=2)]
     assert all(part._base is leaf for part in parts)
+
+
+def test_tensors_of_a_batch_that_share_memory_keep_views_that_see_each_others_writes():
+    """A slice counts its own writes only where no other tensor of the batch shares its memory: autograd must
+    see a write into the labels as a write into the inputs they overlap, as it does for one process."""
+    tokens = torch.arange(24.0).reshape(4, 6)
+    first = scatter(({"inputs": tokens[:, :-1], "labels": tokens[:, 1:]},), chunks=2)[0][0]
+    first["labels"].add_(1)
+    assert first["inputs"]._version == 1
+    same = torch.zeros(4, 2)
+    first = scatter(({"ids": same, "labels": same},), chunks=2)[0][0]
+    first["labels"].add_(1)
+    assert first["ids"]._version == 1

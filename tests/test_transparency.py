@@ -154,3 +154,21 @@ def test_stages_that_write_into_their_microbatch_train_as_one_process(schedule):
     second microbatch's write into its own samples looked to autograd like a write into what the
     first had saved for its backward ("modified by an inplace operation"); one process writes once."""
     distributed.run(_writes_into_inputs, 2, schedule, timeout=120)
+
+
+def _writes_into_labels_that_are_the_inputs(rank, world):
+    torch.manual_seed(0)
+    pipe = GPipe(nn.Sequential(nn.Linear(6, 6).double()), chunks=2)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    pipe.forward_backward(x, criterion=_doubled_target_loss, labels=(x,))  # the Linear saved x for its backward
+
+
+def test_labels_that_share_the_inputs_memory_on_one_rank_see_its_writes_as_one_process_does():
+    """Inputs and labels are split apart; one process holding both ends, given the same tensor as both, splits
+    it into views that see each other's writes: a write into the labels after the first layer saved the inputs
+    stops the step as it stops one process, instead of computing a gradient from the written inputs."""
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _doubled_target_loss(nn.Linear(6, 6).double()(x), x).backward()  # one process
+    (outcome,) = distributed.run(_writes_into_labels_that_are_the_inputs, 1, timeout=60, expect_errors=True)
+    assert outcome[0] == "error" and "modified by an inplace operation" in outcome[1][1], outcome

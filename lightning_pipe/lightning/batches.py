@@ -69,6 +69,11 @@ class Fingerprint:
         self._copies: Optional[List[Tuple[torch.Tensor, Any]]] = None  # per device: the sums on the host, copy event
         self.written = False
 
+    @property
+    def pending(self) -> bool:
+        """Whether the values are still to be read."""
+        return self._copies is None and not self.written
+
     def compute(self, written: bool = False) -> None:
         """Read the sampled values now (a second call does nothing); ``written``: the caller saw a write into the
         batch's memory that the batch's own tensors do not count (a microbatch's slice has its own version)."""

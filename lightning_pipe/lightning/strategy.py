@@ -454,6 +454,8 @@ class PipeStrategy(DDPStrategy):
         loaded = batches.fingerprint(args[0], deferred=deferred and self._defer_fingerprint
                                      and not self._runner.first_training_step) if self.pp_size > 1 else None
         posted: list = []
+        if loaded is not None and loaded.pending:  # a microbatch counts its own writes: the runs tell of theirs
+            self._runner.watch_batch_writes()
         idle = (lambda: posted.append(self._post_results()),
                 lambda: loaded.compute(written=self._runner.wrote_into_batch())) if deferred else ()
         with self.precision_plugin.train_step_context():
