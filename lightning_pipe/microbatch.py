@@ -11,6 +11,9 @@ with ``B`` the size of the batch dimension that every splittable tensor shares:
 - everything else is given whole to every microbatch: 0-dim tensors, tensors wrapped in
   :class:`NoChunk`, other non-tensor leaves, lists and tuples of another length, and tuples of
   numbers (use a tuple for per-batch numeric constants whose length may happen to equal ``B``).
+  Each microbatch after the first gets its own copy of a 0-dim tensor, made before any runs (where
+  its slices would count their own writes, below): a write into it is then made once per
+  microbatch on the value one process would write into, not once more on each microbatch's result.
 
 Two containers torch's pytree does not open are opened too, and rebuilt as their own type in each
 microbatch: dataclasses (through ``dataclasses.replace``, so ``__post_init__`` runs for each
@@ -32,7 +35,7 @@ criterion that writes into its microbatch in place trains as one process writing
 once; except where that would hide a write from autograd or from a gradient: slices of a tensor
 that requires grad, of an inference tensor or a tensor subclass, and of tensors whose memory
 another tensor of the batch shares (``tokens[:, :-1]`` and ``tokens[:, 1:]``) stay views, which
-share their tensor's counter. A tensor given whole is the same object in every microbatch.
+share their tensor's counter. A :class:`NoChunk` tensor is the same object in every microbatch.
 """
 
 from __future__ import annotations
@@ -346,14 +349,17 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0, own_versions: bool = T
             columns.append([leaf[end - size:end] for end, size in bounds])
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             parts = torch.tensor_split(leaf, num_microbatches, dim=batch_dim)
-            columns.append(_own_versions(parts, leaf) if shared is not None and _storage(leaf) not in shared else parts)
+            columns.append([part.data for part in parts] if _own_versions(leaf, shared) else parts)
+        elif isinstance(leaf, torch.Tensor) and _own_versions(leaf, shared):  # 0-dim (see the module docstring)
+            columns.append([leaf] + [leaf.clone() for _ in range(num_microbatches - 1)])
         else:
             columns.append([leaf] * num_microbatches)
     return [tree_unflatten([column[i] for column in columns], spec) for i in range(num_microbatches)]
 
 
-def _own_versions(parts: Sequence[torch.Tensor], tensor: torch.Tensor) -> Sequence[torch.Tensor]:
-    """``parts`` of ``tensor``, each with a version counter of its own where nothing flows back into ``tensor``.
+def _own_versions(tensor: torch.Tensor, shared: Optional[set]) -> bool:
+    """Whether each microbatch's slice of ``tensor`` gets a version counter of its own (``shared``: the memory
+    that several tensors of the batch use; None: no slice gets one, see :func:`scatter`).
 
     Views share their base's version counter, so a write into one microbatch's samples (a stage's
     ``x.mul_(0.5)``, a criterion's ``target.sub_(1)``) would look to autograd like a write into every
@@ -365,9 +371,8 @@ def _own_versions(parts: Sequence[torch.Tensor], tensor: torch.Tensor) -> Sequen
     counter. A tensor that requires grad (its gradient flows back), an inference tensor and a tensor
     subclass keep their views.
     """
-    if tensor.requires_grad or tensor.is_inference() or type(tensor) is not torch.Tensor:
-        return parts
-    return [part.data for part in parts]
+    return shared is not None and type(tensor) is torch.Tensor and tensor.layout == torch.strided \
+        and not tensor.requires_grad and not tensor.is_inference() and _storage(tensor) not in shared
 
 
 def _storage(tensor: torch.Tensor) -> Tuple[torch.device, int]:

@@ -74,7 +74,19 @@ def test_non_tensor_leaves_and_scalars_are_duplicated():
     parts = scatter((torch.zeros(4), None, 3.5, "s", scalar), chunks=2)
     for part in parts:
         assert part[1:4] == (None, 3.5, "s")
-        assert part[4] is scalar
+        assert part[4].item() == 5.0
+    assert parts[0][4] is scalar and parts[1][4] is not scalar  # the others get copies (see the next test)
+
+
+def test_a_write_into_a_0_dim_tensor_is_made_once_per_microbatch_on_the_value_one_process_would_write_into():
+    """Regression: every microbatch got the same 0-dim tensor, so a stage's ``scale.mul_(0.5)`` compounded:
+    microbatch i read 0.5 ** (i + 1) of it where one process reads half of it for every sample."""
+    scale = torch.tensor(2.0)
+    parts = scatter((torch.ones(4), scale), chunks=4)
+    assert [part[1].mul_(0.5).item() for part in parts] == [1.0, 1.0, 1.0, 1.0]
+    assert scale.item() == 1.0  # written once, as by one process (the first microbatch's is the batch's own)
+    leaf = torch.tensor(2.0, requires_grad=True)  # its gradient flows back: the same tensor in every microbatch
+    assert all(part[1] is leaf for part in scatter((torch.ones(4), leaf), chunks=2))
 
 
 def test_scatter_along_batch_dim_1():
