@@ -11,8 +11,8 @@ with ``B`` the size of the batch dimension that every splittable tensor shares:
 - everything else is given whole to every microbatch: 0-dim tensors, tensors wrapped in
   :class:`NoChunk`, other non-tensor leaves, lists and tuples of another length, and tuples of
   numbers (use a tuple for per-batch numeric constants whose length may happen to equal ``B``).
-  Each microbatch after the first gets its own copy of a 0-dim tensor, made before any runs (where
-  its slices would count their own writes, below): a write into it is then made once per
+  Each microbatch after the first gets its own copy of a 0-dim tensor, made before any of them
+  runs (except where a slice would stay a view, below): a write into it is then made once per
   microbatch on the value one process would write into, not once more on each microbatch's result.
 
 Two containers torch's pytree does not open are opened too, and rebuilt as their own type in each

@@ -351,7 +351,8 @@ class Pipeline(Tracing):
             raise ConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         # inputs and labels are split apart: where a rank holding both ends splits memory they share (an autoencoder's
         # labels=(x,)), the slices keep their views, whose writes autograd sees across both as one process's would
-        own_versions = not (self.pp_rank == 0 and self.holds_last and labels and shares_memory(tuple(inputs), tuple(labels)))
+        own_versions = not (self.pp_rank == 0 and self.holds_last and labels
+                            and shares_memory(tuple(inputs), tuple(labels)))
         microbatches, sizes = self._start_step(inputs, own_versions)
         num_microbatches = len(sizes)
         losses: Dict[int, torch.Tensor] = {}

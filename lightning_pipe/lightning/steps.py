@@ -98,11 +98,11 @@ class StepRunner:
 
         A step may write into its batch (``x.mul_(0.5)``). Each microbatch's slice of a tensor is mostly
         its own (with its own version counter, see :func:`~lightning_pipe.microbatch.scatter`), but a
-        ``NoChunk`` tensor is the same object in every microbatch, so each run would write into it again,
-        slices of tensors that share memory share a counter, and where one process runs a microbatch
-        twice (under ZB-V) the whole run would read what the run up to the body wrote. So the first training step's runs each get a copy of their microbatch,
-        watched for writes; after one, every later run gets a copy too. The run up to the body under
-        ZB-V always gets one.
+        ``NoChunk`` tensor is the same object in every microbatch, so each run would write into it
+        again; slices of tensors that share memory share a counter; and where one process runs a
+        microbatch twice (under ZB-V) the whole run would read what the run up to the body wrote. So
+        the first training step's runs each get a copy of their microbatch, watched for writes; after
+        one, every later run gets a copy too. The run up to the body under ZB-V always gets one.
         """
         watch_writes = self.first_training_step and not self.copies_batch
         # the run up to the body on the process that then runs the step whole (ZB-V) gets a copy: its writes into
