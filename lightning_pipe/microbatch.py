@@ -33,9 +33,12 @@ batch smaller than the requested number of microbatches gives one microbatch per
 shares the batch's memory but counts its own writes (its own version counter), so a stage or
 criterion that writes into its microbatch in place trains as one process writing into the batch
 once; except where that would hide a write from autograd or from a gradient: slices of a tensor
-that requires grad, of an inference tensor or a tensor subclass, and of tensors whose memory
-another tensor of the batch shares (``tokens[:, :-1]`` and ``tokens[:, 1:]``) stay views, which
-share their tensor's counter. A :class:`NoChunk` tensor is the same object in every microbatch.
+that requires grad, of an inference tensor or a tensor subclass, of a tensor whose rows overlap
+(``expand``, ``unfold``), and of tensors whose memory another tensor of the batch uses
+(``tokens[:, :-1]`` and ``tokens[:, 1:]``) stay views, which share their tensor's counter. (A
+``detach()`` of a tensor still in a graph shares its counter with it, which cannot be told here.)
+The same tensor given twice gets the same slices in both places. A :class:`NoChunk` tensor is the
+same object in every microbatch.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import dataclasses
 import itertools
 from collections import UserDict
 from collections.abc import Mapping
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 # torch's pytree helpers are private but stable and used throughout torch.distributed; a public
@@ -232,9 +235,15 @@ def open_containers(tree: Any, batch_size: Optional[int] = None, keep: bool = Tr
         (2, Batch(x=tensor([0., 0.]), tag='a'))
     """
     if not any(isinstance(leaf, UserDict) or dataclasses.is_dataclass(leaf)
-               for leaf in tree_flatten(tree, is_leaf=_closed)[0]):
+               for leaf in tree_flatten(tree, is_leaf=lambda x: _closed(x) or _scalar_sequence(x))[0]):
         return tree  # the common case: nothing to open
     return tree_map(lambda leaf: _open_one(leaf, batch_size, keep), tree, is_leaf=_closed)
+
+
+def _scalar_sequence(value: Any) -> bool:
+    """A list or tuple of numbers and strings only (per-sample names): nothing in it to open or to watch, and
+    walking it item by item with pytree costs about a microsecond an item."""
+    return isinstance(value, (list, tuple)) and all(isinstance(v, SCALARS) for v in value)
 
 
 def _closed(value: Any) -> bool:
@@ -318,12 +327,12 @@ def batch_size_of(inputs: Any, batch_dim: int = 0) -> int:
     return found.pop()
 
 
-def scatter(inputs: Any, chunks: int, batch_dim: int = 0, own_versions: bool = True) -> List[Any]:
+def scatter(inputs: Any, chunks: int, batch_dim: int = 0, made: Optional[list] = None) -> List[Any]:
     """Split ``inputs`` into ``min(chunks, batch size)`` microbatches of the same structure.
 
     Tensors and per-sample lists are split, everything else is given whole (see the module docstring).
-    With ``own_versions`` (the default) a slice counts its own writes where that is exact (see
-    :func:`_own_versions`); without it, every slice is a view sharing its tensor's version counter.
+    A tensor that appears more than once in ``inputs`` gets the same slices in each place. ``made``:
+    a list to extend with each tensor the microbatches hold and its version (see :func:`written_since`).
 
     Example:
         >>> parts = scatter((torch.arange(10), "tag"), chunks=4)
@@ -338,9 +347,13 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0, own_versions: bool = T
                                 is_leaf=lambda x: isinstance(x, (NoChunk, _Samples)) or is_sample_list(x, batch_size))
     sizes = microbatch_sizes(batch_size, num_microbatches)
     bounds = list(zip(itertools.accumulate(sizes), sizes))
-    shared = _shared_storages(leaves) if own_versions else None
+    shared = _shared_storages(leaves)
     columns = []
+    done: Dict[int, list] = {}  # id of a tensor -> its column (the leaves keep every tensor alive meanwhile)
     for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and id(leaf) in done:
+            columns.append(done[id(leaf)])
+            continue
         if isinstance(leaf, NoChunk):
             columns.append([leaf.tensor] * num_microbatches)
         elif isinstance(leaf, _Samples):
@@ -349,30 +362,46 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0, own_versions: bool = T
             columns.append([leaf[end - size:end] for end, size in bounds])
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             parts = torch.tensor_split(leaf, num_microbatches, dim=batch_dim)
-            columns.append([part.data for part in parts] if _own_versions(leaf, shared) else parts)
+            columns.append([part.data for part in parts] if _own_versions(leaf, shared) else list(parts))
         elif isinstance(leaf, torch.Tensor) and _own_versions(leaf, shared):  # 0-dim (see the module docstring)
             columns.append([leaf] + [leaf.clone() for _ in range(num_microbatches - 1)])
         else:
             columns.append([leaf] * num_microbatches)
+        if isinstance(leaf, torch.Tensor):
+            done[id(leaf)] = columns[-1]
+    if made is not None:
+        made += [(t, t._version) for t in {id(t): t for column in columns for t in column
+                                          if isinstance(t, torch.Tensor) and not t.is_inference()}.values()]
     return [tree_unflatten([column[i] for column in columns], spec) for i in range(num_microbatches)]
 
 
-def _own_versions(tensor: torch.Tensor, shared: Optional[set]) -> bool:
+def _own_versions(tensor: torch.Tensor, shared: set) -> bool:
     """Whether each microbatch's slice of ``tensor`` gets a version counter of its own (``shared``: the memory
-    that several tensors of the batch use; None: no slice gets one, see :func:`scatter`).
+    that several distinct tensors of the batch use, see :func:`_shared_storages`).
 
     Views share their base's version counter, so a write into one microbatch's samples (a stage's
     ``x.mul_(0.5)``, a criterion's ``target.sub_(1)``) would look to autograd like a write into every
     other microbatch's, and the backward of one that saved its input would stop ("modified by an
-    inplace operation") where one process writing into its batch once trains fine. The samples are
-    disjoint, so a counter per microbatch is exact as long as no other tensor of the batch shares the
-    memory (:func:`scatter` keeps views for those: ``inputs = tokens[:, :-1]``, ``labels = tokens[:, 1:]``
-    must see each other's writes). ``.data`` is torch's alias of the same memory without the version
-    counter. A tensor that requires grad (its gradient flows back), an inference tensor and a tensor
-    subclass keep their views.
+    inplace operation") where one process writing into its batch once trains fine. A counter per
+    microbatch is exact when the microbatches' samples are disjoint memory that no other tensor of
+    the batch reaches: not for a tensor whose rows overlap (``expand``, ``unfold``), nor for tensors
+    over the same memory (``tokens[:, :-1]`` and ``tokens[:, 1:]`` must see each other's writes).
+    ``.data`` is torch's alias of the same memory without the version counter. A tensor that requires
+    grad (its gradient flows back), an inference tensor and a tensor subclass keep their views.
     """
-    return shared is not None and type(tensor) is torch.Tensor and tensor.layout == torch.strided \
-        and not tensor.requires_grad and not tensor.is_inference() and _storage(tensor) not in shared
+    return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.requires_grad \
+        and not tensor.is_inference() and _storage(tensor) not in shared and not _overlaps_itself(tensor)
+
+
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` share memory (a stride 0, an ``unfold``): strides sorted, each must
+    step past everything the smaller ones reach."""
+    reach = 0
+    for stride, size in sorted((abs(st), sz) for st, sz in zip(tensor.stride(), tensor.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def _storage(tensor: torch.Tensor) -> Tuple[torch.device, int]:
@@ -380,31 +409,16 @@ def _storage(tensor: torch.Tensor) -> Tuple[torch.device, int]:
 
 
 def _shared_storages(leaves: Sequence[Any]) -> set:
-    """The memory (device, storage) that more than one tensor of ``leaves`` uses (NoChunk's included)."""
-    seen, shared = set(), set()
+    """The memory (device, storage) that more than one distinct plain tensor of ``leaves`` uses (NoChunk's
+    included; a tensor subclass keeps its views anyway)."""
+    seen, shared, counted = set(), set(), set()
     for leaf in leaves:
         tensor = leaf.tensor if isinstance(leaf, NoChunk) else leaf
-        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+        if type(tensor) is torch.Tensor and tensor.layout == torch.strided and id(tensor) not in counted:
+            counted.add(id(tensor))
             key = _storage(tensor)
             (shared if key in seen else seen).add(key)
     return shared
-
-
-def shares_memory(first: Any, second: Any) -> bool:
-    """Whether a tensor of ``first`` and one of ``second`` use the same memory (containers opened as
-    :func:`scatter` opens them).
-
-    Example:
-        >>> tokens = torch.arange(12).reshape(2, 6)
-        >>> shares_memory((tokens[:, :-1],), (tokens[:, 1:],)), shares_memory((tokens,), (tokens.clone(),))
-        (True, False)
-    """
-    keys = []
-    for tree in (first, second):
-        leaves = tree_flatten(open_containers(tree, keep=False), is_leaf=lambda x: isinstance(x, NoChunk))[0]
-        keys.append({_storage(t) for t in (leaf.tensor if isinstance(leaf, NoChunk) else leaf for leaf in leaves)
-                     if isinstance(t, torch.Tensor) and t.layout == torch.strided})
-    return bool(keys[0] & keys[1])
 
 
 def tensor_versions(tree: Any) -> List[Tuple[torch.Tensor, int]]:
@@ -419,7 +433,7 @@ def tensor_versions(tree: Any) -> List[Tuple[torch.Tensor, int]]:
         >>> [written_since(versions) for versions in before]
         [True, False]
     """
-    leaves = tree_flatten(open_containers(tree, keep=False))[0]
+    leaves = tree_flatten(open_containers(tree, keep=False), is_leaf=_scalar_sequence)[0]
     return [(t, t._version) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
 
 

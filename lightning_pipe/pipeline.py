@@ -25,8 +25,7 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel, end_process_groups_at_exit
 from lightning_pipe.memory import ActivationMeter, MeterOff
-from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, open_containers, scatter, \
-    shares_memory
+from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, open_containers, scatter
 from lightning_pipe.partition import TIES_ATTRIBUTE
 from lightning_pipe.replicas import ReplicaSync
 from lightning_pipe.schedule import ALL_SCHEDULES, forward_only, make_table, validate
@@ -165,6 +164,9 @@ class Pipeline(Tracing):
         self._step = 0
         self.last_step: Optional[StepResult] = None
         self.last_sizes: List[int] = []
+        # on rank 0, during a step: each tensor its microbatches hold and its version when split (a microbatch's
+        # slice counts its own writes, so a caller that reads the batch late looks here for writes: written_since)
+        self.input_versions: List[Tuple[torch.Tensor, int]] = []
         self._row(self.schedule, chunks)  # a table that cannot run fails here, on every rank
 
     def _place(self) -> None:
@@ -263,12 +265,24 @@ class Pipeline(Tracing):
             self._rows[key] = validate(tables, routes)[self.pp_rank]
         return self._rows[key]
 
-    def _start_step(self, inputs: tuple, own_versions: bool = True) -> Tuple[Optional[list], list]:
-        """Split the inputs on rank 0 (stage 0) and agree on the step's microbatches with every rank."""
-        microbatches = None
+    def _start_step(self, inputs: tuple, labels: tuple = ()) -> Tuple[Optional[list], list, Optional[list]]:
+        """Split the inputs on rank 0 (stage 0) and agree on the step's microbatches with every rank.
+
+        ``labels``: where rank 0 holds the last stage too, they are split with the inputs, in one
+        :func:`scatter` (a tensor given as both gets the same slices, and tensors of either that share
+        memory keep views that see each other's writes, as in one process); their microbatches are
+        returned third (None otherwise).
+        """
+        microbatches = label_parts = None
         header = None
+        self.input_versions = []
         if self.pp_rank == 0:
-            microbatches = scatter(tuple(inputs), self.chunks, self.batch_dim, own_versions)
+            if labels:
+                self._check_label_sizes(labels, microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks))
+                parts = scatter((tuple(inputs), labels), self.chunks, self.batch_dim, self.input_versions)
+                microbatches, label_parts = [part[0] for part in parts], [part[1] for part in parts]
+            else:
+                microbatches = scatter(tuple(inputs), self.chunks, self.batch_dim, self.input_versions)
             signature = (torch.is_grad_enabled(), _input_signature(tuple(inputs), self.chunks, self.batch_dim))
             fresh = signature != self._signature or self.variable_messages
             self._signature = signature
@@ -280,23 +294,28 @@ class Pipeline(Tracing):
         for stage in self.stages:
             stage.step_seed = self.step_seed
         self.last_sizes = header[3 : 3 + num_microbatches]
-        return microbatches, self.last_sizes
+        return microbatches, self.last_sizes, label_parts
 
-    def _split_labels(self, labels: tuple, sizes: Sequence[int], own_versions: bool) -> list:
-        if not labels:
-            return [()] * len(sizes)
+    def _check_label_sizes(self, labels: tuple, sizes: Sequence[int]) -> None:
         got = microbatch_sizes(batch_size_of(labels, self.batch_dim), len(sizes))
         if got != list(sizes):
             raise ConfigurationError(
                 f"labels split into microbatches of sizes {got} but the inputs into {list(sizes)}; "
                 "labels need the inputs' batch size along batch_dim"
             )
-        return scatter(tuple(labels), len(sizes), self.batch_dim, own_versions)
+
+    def _split_labels(self, labels: tuple, sizes: Sequence[int]) -> list:
+        if not labels:
+            return [()] * len(sizes)
+        self._check_label_sizes(labels, sizes)
+        return scatter(tuple(labels), len(sizes), self.batch_dim)
 
     def _loss_fn(self, criterion, labels, sizes, loss_scale, loss_reduction, losses,
-                 own_versions: bool) -> Callable[[int, tuple], torch.Tensor]:
-        """The last stage's per-microbatch loss: weighted, scaled for backward, recorded."""
-        label_parts = self._split_labels(tuple(labels), sizes, own_versions)
+                 label_parts: Optional[list]) -> Callable[[int, tuple], torch.Tensor]:
+        """The last stage's per-microbatch loss: weighted, scaled for backward, recorded (``label_parts``: the
+        labels' microbatches, if split already)."""
+        if label_parts is None:
+            label_parts = self._split_labels(tuple(labels), sizes)
         total = float(sum(sizes))
 
         def loss_fn(i: int, outputs: tuple) -> torch.Tensor:
@@ -349,14 +368,11 @@ class Pipeline(Tracing):
         """
         if loss_reduction not in ("mean", "sum"):
             raise ConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        # inputs and labels are split apart: where a rank holding both ends splits memory they share (an autoencoder's
-        # labels=(x,)), the slices keep their views, whose writes autograd sees across both as one process's would
-        own_versions = not (self.pp_rank == 0 and self.holds_last and labels
-                            and shares_memory(tuple(inputs), tuple(labels)))
-        microbatches, sizes = self._start_step(inputs, own_versions)
+        labels = tuple(labels)
+        microbatches, sizes, label_parts = self._start_step(inputs, labels if self.holds_last else ())
         num_microbatches = len(sizes)
         losses: Dict[int, torch.Tensor] = {}
-        loss_fn = self._loss_fn(criterion, labels, sizes, loss_scale, loss_reduction, losses, own_versions) \
+        loss_fn = self._loss_fn(criterion, labels, sizes, loss_scale, loss_reduction, losses, label_parts) \
             if self.holds_last else None
         row = self._row(self.schedule, num_microbatches)
         replicas = self.replicas if sync_replicas else None
@@ -377,6 +393,7 @@ class Pipeline(Tracing):
         return loss, outputs
 
     def _finish_step(self, result: StepResult) -> None:
+        self.input_versions = []  # the batch is not kept beyond its step
         if self.deferred_batch_norm:
             for module in self.modules:
                 commit_deferred_batch_norm(module)
@@ -393,7 +410,7 @@ class Pipeline(Tracing):
 
     def forward_microbatches(self, *inputs: Any) -> Optional[List[tuple]]:
         """Run forward only and return the last stage's outputs per microbatch (None elsewhere)."""
-        microbatches, sizes = self._start_step(inputs)
+        microbatches, sizes, _ = self._start_step(inputs)
         num_microbatches = len(sizes)
         result = self.executor.run(
             self._row("forward", num_microbatches), self._step, num_microbatches, microbatches, keep_outputs=True

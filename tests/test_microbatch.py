@@ -195,3 +195,24 @@ def test_tensors_of_a_batch_that_share_memory_keep_views_that_see_each_others_wr
     first = scatter(({"ids": same, "labels": same},), chunks=2)[0][0]
     first["labels"].add_(1)
     assert first["ids"]._version == 1
+
+
+def test_slices_whose_rows_overlap_in_memory_keep_views():
+    """An expanded or unfolded tensor's rows share memory: its slices must see each other's writes, as one
+    process's autograd does (a counter per microbatch would hide them)."""
+    positions = torch.arange(6.0).expand(4, 6)  # stride 0 along the batch
+    windows = torch.arange(10.0).unfold(0, 4, 2)  # overlapping windows
+    plain = torch.zeros(4, 6)[:, 1:]  # not contiguous, but its rows are apart
+    for tensor, shares in ((positions, True), (windows, True), (plain, False)):
+        parts = [part[0] for part in scatter((tensor,), chunks=2)]
+        assert (parts[0]._base is not None) == shares
+
+
+def test_a_tensor_subclass_keeps_its_views_and_its_memory_is_not_read():
+    class Marked(torch.Tensor):
+        def untyped_storage(self):  # as a wrapper subclass (DTensor), whose storage cannot be read
+            raise RuntimeError("Attempted to access the data pointer on an invalid python storage")
+
+    marked = torch.zeros(4, 2).as_subclass(Marked)
+    parts = scatter((marked, torch.zeros(4)), chunks=2)
+    assert all(type(part[0]) is Marked for part in parts)

@@ -156,6 +156,30 @@ def test_stages_that_write_into_their_microbatch_train_as_one_process(schedule):
     distributed.run(_writes_into_inputs, 2, schedule, timeout=120)
 
 
+def _one_rank_writes_into_inputs_that_are_its_labels(rank, world):
+    torch.manual_seed(0)
+    full = nn.Sequential(_HalvesItsInput(), nn.Tanh(), nn.Linear(6, 6).double())
+    reference = copy.deepcopy(full)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    ref_x = x.clone()
+    ref_loss = nn.functional.mse_loss(reference(ref_x), ref_x)  # the labels are the inputs, written into once
+    ref_loss.backward()
+    loss, _ = GPipe(full, chunks=4).forward_backward(x, criterion=nn.functional.mse_loss, labels=(x,))
+    torch.testing.assert_close(loss, ref_loss.detach())
+    torch.testing.assert_close(x, ref_x)
+    ref_params = dict(reference.named_parameters())
+    for name, p in full.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad)
+    return True
+
+
+def test_one_rank_given_its_inputs_as_labels_splits_them_once_and_trains_as_one_process():
+    """Regression: a rank holding the first and the last stage (one stage; ZB-V's rank 0) is given the batch as
+    inputs and as labels (PipeStrategy always does so), split apart into views sharing the batch's counter, so
+    a write into the microbatches stopped GPipe's step again. The tensor is now split once for both."""
+    distributed.run(_one_rank_writes_into_inputs_that_are_its_labels, 1, timeout=60)
+
+
 def _writes_into_labels_that_are_the_inputs(rank, world):
     torch.manual_seed(0)
     pipe = GPipe(nn.Sequential(nn.Linear(6, 6).double()), chunks=2)

@@ -27,7 +27,7 @@ whole pipeline waits for the first stage. The first step is read before it runs:
 into its batch in place, and from the first write on, each run of the step gets a copy of its
 microbatch (see :class:`~lightning_pipe.lightning.steps.StepRunner`). A write into the batch
 before the read (a step that starts writing only later; a microbatch's slice counts its own
-writes, so the runner tells of those) leaves that step's fingerprint without a value; it is not
+writes, so the pipeline's record of its slices tells of those) leaves that step's fingerprint without a value; it is not
 compared, and the rank reads its values before its later steps.
 """
 
@@ -68,11 +68,6 @@ class Fingerprint:
         self._structure = structure
         self._copies: Optional[List[Tuple[torch.Tensor, Any]]] = None  # per device: the sums on the host, copy event
         self.written = False
-
-    @property
-    def pending(self) -> bool:
-        """Whether the values are still to be read."""
-        return self._copies is None and not self.written
 
     def compute(self, written: bool = False) -> None:
         """Read the sampled values now (a second call does nothing); ``written``: the caller saw a write into the

@@ -61,7 +61,6 @@ class StepRunner:
         self.targets = MeanTargets()  # what a cross_entropy loss averaged over, in the run that returns the loss
         self.copies_batch = False  # the training step writes into its batch: each run gets a copy (see run)
         self._training_steps = 0
-        self._batch_versions: Optional[list] = None  # see watch_batch_writes
         recorder.count_of = self.targets.count_of  # a logged one folds by it too
         self._warned_targets = False
 
@@ -69,17 +68,6 @@ class StepRunner:
         """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
         self.hook, self.hook_args, self.pipeline, self.account = hook, hook_args, pipeline, None
         self._training_steps += hook == "training_step"
-        self._batch_versions = None
-
-    def watch_batch_writes(self) -> None:
-        """Until :meth:`wrote_into_batch`: note the tensors each training run up to the body is given (not a copy)
-        and their versions. A microbatch's slice counts its own writes, not the batch's tensor."""
-        self._batch_versions = []
-
-    def wrote_into_batch(self) -> bool:
-        """Whether a run watched since :meth:`watch_batch_writes` wrote into its microbatch; stops watching."""
-        watched, self._batch_versions = self._batch_versions, None
-        return watched is not None and written_since(watched)
 
     @property
     def first_training_step(self) -> bool:
@@ -109,8 +97,6 @@ class StepRunner:
         # the batch would reach the whole run, which reads the same memory
         if watch_writes or self.copies_batch and self.hook == "training_step" or self.runs_whole_too and mode == "stop":
             batch = copy_tensors(batch)
-        elif self._batch_versions is not None and mode == "stop" and self.hook == "training_step":
-            self._batch_versions += tensor_versions(batch)
         versions = tensor_versions(batch) if watch_writes else None
         self.pipeline.reseed(i, rng.USER_STEP)
         self.recorder.start_microbatch()

@@ -54,6 +54,7 @@ from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.stale import StaleCopies
 from lightning_pipe.lightning.state import Checkpoints
 from lightning_pipe.lightning.steps import StepRunner
+from lightning_pipe.microbatch import written_since
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import ALL_SCHEDULES
 from lightning_pipe.ties import TiedGradients
@@ -454,10 +455,9 @@ class PipeStrategy(DDPStrategy):
         loaded = batches.fingerprint(args[0], deferred=deferred and self._defer_fingerprint
                                      and not self._runner.first_training_step) if self.pp_size > 1 else None
         posted: list = []
-        if loaded is not None and loaded.pending:  # a microbatch counts its own writes: the runs tell of theirs
-            self._runner.watch_batch_writes()
+        # a microbatch's slice counts its own writes, not the batch's tensor: the pipeline noted the slices' versions
         idle = (lambda: posted.append(self._post_results()),
-                lambda: loaded.compute(written=self._runner.wrote_into_batch())) if deferred else ()
+                lambda: loaded.compute(written=written_since(self._pipeline.input_versions))) if deferred else ()
         with self.precision_plugin.train_step_context():
             parameters = list(module.parameters())
             earlier = gradients.take_grads(parameters)
