@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from lightning_pipe.errors import BatchMismatchError
+from lightning_pipe.microbatch import written_since
 
 SAMPLES = 1024  # values read per tensor
 TENSORS = 16  # tensors read per batch (the rest: shape and dtype only)
@@ -60,10 +61,11 @@ class Fingerprint:
     leaves the fingerprint without a value (:attr:`written`): it is not compared.
     """
 
-    __slots__ = ("_tensors", "_tolerances", "_structure", "_copies", "written")
+    __slots__ = ("_tensors", "_versions", "_tolerances", "_structure", "_copies", "written")
 
     def __init__(self, tensors: List[torch.Tensor], tolerances: List[float], structure: str) -> None:
-        self._tensors = [(t, None if t.is_inference() else t._version) for t in tensors]  # None: no version
+        self._tensors = tensors
+        self._versions = [(t, t._version) for t in tensors if not t.is_inference()]  # an inference tensor has none
         self._tolerances = tolerances
         self._structure = structure
         self._copies: Optional[List[Tuple[torch.Tensor, Any]]] = None  # per device: the sums on the host, copy event
@@ -74,12 +76,12 @@ class Fingerprint:
         batch's memory that the batch's own tensors do not count (a microbatch's slice has its own version)."""
         if self._copies is not None or self.written:
             return
-        if written or any(version is not None and t._version != version for t, version in self._tensors):
+        if written or written_since(self._versions):
             self.written = True
             return
         self._copies = []
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
-        for t, _ in self._tensors:
+        for t in self._tensors:
             by_device.setdefault(t.device, []).append(_tensor_sums(t))
         for device, group in by_device.items():
             stacked = torch.stack(group)
@@ -90,7 +92,7 @@ class Fingerprint:
                 self._copies.append((host, event))
             else:
                 self._copies.append((stacked.cpu(), None))
-        self._tensors = []  # the batch is not kept beyond what is read
+        self._tensors = self._versions = []  # the batch is not kept beyond what is read
 
     def value(self) -> Optional[Value]:
         """The fingerprint as Python numbers (None if :attr:`written`): waits for its own copy to the host, not for
@@ -129,7 +131,7 @@ def fingerprint(batch: Any, deferred: bool = False) -> Fingerprint:
     parts: List[str] = []
     _walk(batch, tensors, tolerances, parts)
     made = Fingerprint(tensors, tolerances, "|".join(parts))
-    if not deferred or any(version is None for _, version in made._tensors):
+    if not deferred or len(made._versions) < len(tensors):
         made.compute()
     return made
 
