@@ -25,7 +25,8 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel, end_process_groups_at_exit
 from lightning_pipe.memory import ActivationMeter, MeterOff
-from lightning_pipe.microbatch import NoChunk, batch_size_of, gather, microbatch_sizes, open_containers, scatter
+from lightning_pipe.microbatch import (NoChunk, batch_size_of, gather, microbatch_sizes, open_containers, plain_tensors,
+                                      scatter)
 from lightning_pipe.partition import TIES_ATTRIBUTE
 from lightning_pipe.replicas import ReplicaSync
 from lightning_pipe.schedule import ALL_SCHEDULES, forward_only, make_table, validate
@@ -40,6 +41,10 @@ _instances = itertools.count()
 
 def _input_signature(inputs: tuple, chunks: int, batch_dim: int) -> tuple:
     """What the microbatches' structure, shapes and dtypes follow from (``scatter`` is deterministic)."""
+    tensors = plain_tensors(inputs)
+    if tensors is not None:  # the common batch, described without torch's pytree (see plain_tensors)
+        return _plain_structure(inputs), tuple((t.dtype, tuple(t.shape), t.requires_grad) for t in tensors), \
+            chunks, batch_dim
     leaves, spec = tree_flatten(open_containers(inputs, keep=False), is_leaf=lambda x: isinstance(x, NoChunk))
     metas = []
     for leaf in leaves:
@@ -47,6 +52,16 @@ def _input_signature(inputs: tuple, chunks: int, batch_dim: int) -> tuple:
         metas.append((type(leaf), tensor.dtype, tuple(tensor.shape), tensor.requires_grad)
                      if isinstance(tensor, torch.Tensor) else type(leaf))
     return spec, tuple(metas), chunks, batch_dim
+
+
+def _plain_structure(tree: Any) -> Any:
+    """The containers of a tree :func:`plain_tensors` accepts: their types, lengths, keys and where ``None`` is."""
+    kind = type(tree)
+    if kind is torch.Tensor:
+        return 0
+    if kind is dict:
+        return dict, tuple(tree), *(_plain_structure(value) for value in tree.values())
+    return tree if tree is None else (kind, *(_plain_structure(item) for item in tree))
 
 
 def _device_of(modules: Sequence[nn.Module], group) -> torch.device:
@@ -277,8 +292,9 @@ class Pipeline(Tracing):
         header = None
         self.input_versions = []
         if self.pp_rank == 0:
+            sizes = microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks)
             if labels:
-                self._check_label_sizes(labels, microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks))
+                self._check_label_sizes(labels, sizes)
                 parts = scatter((tuple(inputs), labels), self.chunks, self.batch_dim, self.input_versions)
                 microbatches, label_parts = [part[0] for part in parts], [part[1] for part in parts]
             else:
@@ -286,7 +302,6 @@ class Pipeline(Tracing):
             signature = (torch.is_grad_enabled(), _input_signature(tuple(inputs), self.chunks, self.batch_dim))
             fresh = signature != self._signature or self.variable_messages
             self._signature = signature
-            sizes = microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks)
             header = [len(microbatches), int(fresh), rng.draw_step_seed()] + sizes + [0] * (self.chunks - len(sizes))
         header = self.transport.exchange_header(header, 3 + self.chunks)
         num_microbatches = header[0]

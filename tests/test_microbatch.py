@@ -216,3 +216,70 @@ def test_a_tensor_subclass_keeps_its_views_and_its_memory_is_not_read():
     marked = torch.zeros(4, 2).as_subclass(Marked)
     parts = scatter((marked, torch.zeros(4)), chunks=2)
     assert all(type(part[0]) is Marked for part in parts)
+
+
+def _split_twice(monkeypatch, inputs, chunks, batch_dim=0):
+    """``inputs`` split by scatter's path for plain batches, then by its general path (plain_tensors off)."""
+    from lightning_pipe import microbatch
+
+    made_fast, made_general = [], []
+    fast = scatter(inputs, chunks, batch_dim, made_fast)
+    size = batch_size_of(inputs, batch_dim)
+    with monkeypatch.context() as patched:
+        patched.setattr(microbatch, "plain_tensors", lambda tree: None)
+        general = scatter(inputs, chunks, batch_dim, made_general)
+        assert batch_size_of(inputs, batch_dim) == size
+    return fast, general, made_fast, made_general
+
+
+def _shape_of(tree):
+    """Containers (their types, keys, lengths) with each tensor's shape, whether it has its own version counter
+    (not a view) and its values."""
+    if isinstance(tree, torch.Tensor):
+        return "tensor", tuple(tree.shape), tree._base is None, tree.tolist()
+    if isinstance(tree, dict):
+        return type(tree), [(key, _shape_of(value)) for key, value in tree.items()]
+    if isinstance(tree, (list, tuple)):
+        return type(tree), [_shape_of(item) for item in tree]
+    return tree
+
+
+@pytest.mark.parametrize("batch_dim", [0, 1])
+def test_plain_batches_split_without_pytree_as_the_general_path_splits_them(monkeypatch, batch_dim):
+    """The fast path for tuples, lists and dicts of tensors gives what the pytree path gives: structure, values,
+    which slices count their own writes, the same slices for a tensor given twice, the versions noted."""
+    x = torch.arange(40.0).reshape(5, 8) if batch_dim == 0 else torch.arange(40.0).reshape(8, 5)
+    shift = torch.arange(30.0).reshape(6, 5)
+    leaf = torch.zeros(5, 5, requires_grad=True)
+    batches = [
+        ((x, x * 2),),
+        ({"ids": x, "pair": (x, None), "rest": [x + 1]},),
+        (({"inputs": shift[:-1], "labels": shift[1:]},), ({"inputs": shift[:-1]},)) if batch_dim == 1 else
+        (({"inputs": shift[:, :-1], "labels": shift[:, 1:]},), (shift[:, :-1],)),
+        ((x,), (x,)),  # one tensor as inputs and labels
+        (leaf if batch_dim == 0 else leaf.t(), x),
+        [x, (), {}],
+    ]
+    for inputs in batches:
+        fast, general, made_fast, made_general = _split_twice(monkeypatch, inputs, 3, batch_dim)
+        assert [_shape_of(part) for part in fast] == [_shape_of(part) for part in general]
+        assert len(made_fast) == len(made_general)
+    fast = _split_twice(monkeypatch, ((x,), (x,)), 2, batch_dim)[0]
+    assert all(part[0][0] is part[1][0] for part in fast)
+
+
+def test_batches_the_fast_path_leaves_to_pytree_are_split_there():
+    """Anything but plain containers of tensors with a batch dimension goes the general way (and its errors)."""
+    from collections import namedtuple
+
+    from lightning_pipe.microbatch import plain_tensors
+
+    x = torch.zeros(4, 2)
+    pair = namedtuple("Pair", "a b")
+    for inputs in ((x, "tag"), (x, torch.tensor(1.0)), [x, None], pair(x, x), (x, NoChunk(x)), (x, ["a"] * 4)):
+        assert plain_tensors(inputs) is None
+    assert type(scatter(pair(x, x), chunks=2)[0]) is pair
+    with pytest.raises(ConfigurationError, match="disagree"):
+        scatter((x, torch.zeros(3)), chunks=2)
+    with pytest.raises(ConfigurationError, match="no dimension batch_dim"):
+        scatter((x, torch.zeros(4)), chunks=2, batch_dim=1)
