@@ -1,9 +1,10 @@
 """What PipeStrategy's Lightning glue costs per training step, against the plain API on the same stages.
 
 Model (generated here): ``embed`` Linear(512, 512), a body of 8 x (Linear(512, 512) + ReLU),
-``head`` Linear(512, 512), MSE loss against random targets; batch 64 in 4 microbatches, 2 stages,
-1F1B, AdamW, float32, 2 CPU processes over gloo, one thread each. The stages are the same in both
-runs: stage 0 holds ``embed`` and body layers 0-3, stage 1 body layers 4-7 and ``head``.
+``head`` Linear(512, 512) (``--width N``: N instead of 512), MSE loss against random targets;
+batch 64 in 4 microbatches, 2 stages, 1F1B, AdamW, float32, 2 CPU processes over gloo, one thread
+each. The stages are the same in both runs: stage 0 holds ``embed`` and body layers 0-3, stage 1
+body layers 4-7 and ``head``.
 
 * ``lightning``: ``Trainer(strategy=PipeStrategy(...))`` with a LightningModule whose step logs its
   loss every step (Lightning's defaults otherwise: ``log_every_n_steps=50``, so the ``pipe/``
@@ -41,6 +42,7 @@ step's extra time builds up.
 
     python benchmarks/glue_cost.py      # about 30 s on 2 cores; Lightning starts rank 1 itself
     python benchmarks/glue_cost.py --actions
+    python benchmarks/glue_cost.py --width 1024   # 4 times the compute per step, the same glue: about 1 minute
 """
 
 from __future__ import annotations
@@ -61,8 +63,16 @@ from torch import nn  # noqa: E402
 import lightning_pipe  # noqa: E402
 from lightning_pipe.lightning import logs  # noqa: E402
 
-WIDTH, DEPTH, BATCH, MICROBATCHES, STEPS, WARMUP = 512, 8, 64, 4, 110, 10
-ACTIONS = "--actions" in sys.argv[1:]  # Lightning starts rank 1 with the same arguments
+
+
+def _option(name: str, default: int) -> int:
+    """``name N`` from the command line, else ``default`` (Lightning starts rank 1 with the same arguments)."""
+    args = sys.argv[1:]
+    return int(args[args.index(name) + 1]) if name in args else default
+
+
+WIDTH, DEPTH, BATCH, MICROBATCHES, STEPS, WARMUP = _option("--width", 512), 8, 64, 4, 110, 10
+ACTIONS = "--actions" in sys.argv[1:]
 
 
 class Model(pl.LightningModule):
@@ -265,6 +275,8 @@ def main() -> None:
         log = statistics.median(timer.log_times[WARMUP:])
         print(f"lightning PipeStrategy step: {1e3 * ours:.2f} ms")
         print(f"plain PipeDream step:        {1e3 * base:.2f} ms")
+        print(f"difference: {1e3 * (ours - base):.2f} ms a step (a cost per step and per microbatch: the same on a "
+              "wider model, see --width)")
         print(f"in the difference: Lightning's own self.log {1e3 * log:.2f} ms (stage 0, median of "
               f"{len(timer.times) - WARMUP} steps); the last stage's rerun of embed "
               f"{'skipped' if timer.skipped else 'computed'} after the first step")

@@ -191,3 +191,72 @@ def test_a_metric_seen_logged_only_on_epoch_gets_no_step_state_after_the_first_s
                 recorder.mark_loss(None)
             recorder.fold(SIZES, SIZES, on_step_by_default=False)
         assert len(updates) == 3 * expected
+
+
+def test_a_microbatch_that_averaged_over_nothing_adds_nothing_to_the_logged_mean():
+    """Regression: a microbatch whose cross_entropy targets were all ignore_index has a 0/0 (NaN) mean and a
+    weight of 0; the fold multiplied the two and logged NaN, where one step over the batch logs the mean over
+    the targets there are. A batch with no target at all logs NaN, as one step does."""
+    nan = float("nan")
+
+    def step(values, counts):
+        def run(module, i, size):
+            loss = torch.tensor(values[i])
+            module.log("ce", loss.clone(), batch_size=counts[i])
+            module.log("loss", loss)
+            return loss  # the step's loss, weighted by its targets (the loss weights below)
+        return run
+
+    calls = {c["name"]: c for c in _record(Module(), step([0.5, nan, 2.0], [3, 0, 2]), weights=[3.0, 0.0, 2.0])}
+    for name in ("ce", "loss"):
+        torch.testing.assert_close(calls[name]["value"], torch.tensor((0.5 * 3 + 2.0 * 2) / 5))
+    assert calls["ce"]["batch_size"] == 5
+    calls = {c["name"]: c for c in _record(Module(), step([nan] * 3, [0, 0, 0]), weights=[0.0] * 3)}
+    assert all(torch.isnan(calls[name]["value"]) for name in ("ce", "loss"))
+
+    from lightning_pipe.lightning.losses import merge
+    assert merge([{"ce": 0.5}, {"ce": nan}, {"ce": 2.0}], [3.0, 0.0, 2.0]) == {"ce": (0.5 * 3 + 2.0 * 2) / 5}
+    torch.testing.assert_close(merge([torch.tensor(0.5), torch.tensor(nan)], [1.0, 0.0]), torch.tensor(0.5))
+
+
+def _fold_steps(step, steps):
+    """Fold the calls of several steps of one recorder (``steps``: each step's microbatch sizes)."""
+    recorder = LogRecorder(Module(), "body")
+    folded = []
+    for sizes in steps:
+        with recorder.recording():
+            for i, size in enumerate(sizes):
+                recorder.start_microbatch()
+                step(recorder.module, i, size)
+                recorder.mark_loss(None)
+            folded.append({c["name"]: c for c in recorder.fold(sizes, sizes)})
+    return folded
+
+
+def test_a_batch_of_one_microbatch_does_not_make_a_count_look_like_the_batch_size():
+    """Regression: a last batch of one sample ran as one microbatch, whose batch_size=x.shape[0] equals the
+    batch's size either way; taken for the batch's size for good, it made every later batch split evenly log
+    one microbatch's size (4 instead of 8), so the epoch mean weighed batches 4, 4, 1 instead of 8, 8, 1."""
+    def step(module, i, size):
+        module.log("mae", torch.tensor(0.1 * (i + 1)), batch_size=size)
+
+    *_, last = _fold_steps(step, [[4, 4], [1], [4, 4]])
+    assert last["mae"]["batch_size"] == 8
+    torch.testing.assert_close(last["mae"]["value"], torch.tensor(0.15))
+
+
+def test_counts_that_once_differed_between_microbatches_stay_counts_when_they_happen_to_be_equal():
+    """Regression: batch_size=(targets kept) gave 2, 2, 2 on microbatches of 3, 3, 2; with the sizes differing
+    it was taken for the batch's size (weights 3, 3, 2 and batch_size 2) after earlier steps had counted 3, 1, 2,
+    where one step over the batch logs with its count, 6."""
+    counts = iter([[3, 1, 2], [2, 2, 2]])
+    values = [0.0, 0.5, 0.5]
+
+    def step(module, i, size):
+        if i == 0:
+            step.counts = next(counts)
+        module.log("acc", torch.tensor(values[i]), batch_size=step.counts[i])
+
+    first, second = _fold_steps(step, [[3, 3, 2], [3, 3, 2]])
+    assert (first["acc"]["batch_size"], second["acc"]["batch_size"]) == (6, 6)
+    torch.testing.assert_close(second["acc"]["value"], torch.tensor(1 / 3))

@@ -94,6 +94,7 @@ class LogRecorder:
         self._step_states: Dict[str, tuple] = {}  # per Metric: its state over this step's calls alone
         self._metric_paths: Dict[int, str] = {}
         self._constant_batch_size: set = set()  # names seen logged with the batch's size as batch_size
+        self._counted_batch_size: set = set()  # names seen logged with batch_sizes that differ between microbatches
         # Metrics logged on step, and off step (epoch values, validation's default): only a Metric never
         # logged on step and seen logged off step is not followed (its calls need no step state)
         self._on_step: set = set()
@@ -198,8 +199,13 @@ class LogRecorder:
         total = sum(sizes)
         folded = []
         for (name, _), entries in by_name.items():
-            call, constant = _fold_one(entries, loss_weights, total, name in self._constant_batch_size)
-            if constant:
+            call, constant = _fold_one(entries, loss_weights, total, name in self._constant_batch_size,
+                                       name in self._counted_batch_size)
+            given = [c["batch_size"] for _, _, c in entries]
+            if any(g is not None and bool(g != given[0]) for g in given):  # a count per microbatch, for good
+                self._counted_batch_size.add(name)
+                self._constant_batch_size.discard(name)
+            elif constant and len(entries) > 1:  # one microbatch cannot tell: its batch_size is the batch's anyway
                 self._constant_batch_size.add(name)
             value = call["value"]
             if isinstance(value, tuple) and value and value[0] == "metric":
@@ -264,6 +270,9 @@ def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any) -> Any:
     # fold on the CPU in float64: the values may live on a GPU, the weights are plain numbers
     stacked = torch.stack([torch.as_tensor(v).detach().to("cpu", torch.float64) for v in values])
     name = _name_of(reduce_fx)
+    if name in _MEAN and 0 in sizes and any(sizes):  # a microbatch that averaged over nothing (its mean 0/0, NaN)
+        stacked = stacked[torch.tensor([size != 0 for size in sizes])]  # adds nothing to the batch's mean
+        sizes = [size for size in sizes if size != 0]
     if name in _MEAN:
         weights = torch.tensor(sizes, dtype=torch.float64).reshape(-1, *([1] * (stacked.dim() - 1)))
         folded = (stacked * weights).sum(0) / weights.sum()
@@ -289,7 +298,7 @@ def _is_value_of(source: Any, loss: torch.Tensor) -> bool:
 
 
 def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Optional[Sequence[float]],
-              total: int, constant_before: bool = False) -> Tuple[Dict[str, Any], bool]:
+              total: int, constant_before: bool = False, counted_before: bool = False) -> Tuple[Dict[str, Any], bool]:
     """One call from a name's calls in several microbatches (``total``: the batch's size), and whether
     their ``batch_size`` is the batch's size rather than a count per microbatch.
 
@@ -299,7 +308,9 @@ def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Opti
     when it varies between microbatches; the batch's size, which every microbatch passes alike
     (``batch_size=self.hparams.batch_size``), when it is the same in every call and equals the
     batch's size, or the microbatches' sizes differ, or an earlier step showed it
-    (``constant_before``: a short last batch split evenly cannot tell). Then the microbatch
+    (``constant_before``: a short last batch split evenly cannot tell), unless an earlier step
+    showed a count (``counted_before``: numbers that differed between its microbatches, so
+    counts that happen to be equal are not taken for the batch's size). Then the microbatch
     sizes weigh the values and the folded call keeps the given number, as one step over the
     batch logs it.
     """
@@ -309,7 +320,8 @@ def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Opti
     given = [c["batch_size"] for c in calls]
     constant = False
     if given[-1] is not None:
-        constant = all(g == given[0] for g in given) and (given[0] == total or len(set(sizes)) > 1 or constant_before)
+        constant = not counted_before and all(g == given[0] for g in given) \
+            and (given[0] == total or len(set(sizes)) > 1 or constant_before)
         if not constant:
             folded["batch_size"] = sum(given)
             sizes = given

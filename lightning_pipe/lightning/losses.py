@@ -278,6 +278,8 @@ def _is_number(value: Any) -> bool:
 
 
 def _combine(values: List[Any], weights: Sequence[float], normalize: bool) -> Any:
+    if normalize and 0 in weights and any(weights):  # a microbatch that averaged over no item (0/0, NaN) adds nothing
+        values, weights = [v for v, w in zip(values, weights) if w != 0], [w for w in weights if w != 0]
     total = sum(weights) if normalize else 1.0
     if isinstance(values[0], torch.Tensor):
         stacked = torch.stack([v.to(torch.float64) for v in values])
