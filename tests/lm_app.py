@@ -396,8 +396,8 @@ class Diffusion(NoiseBase):
         noise = torch.randn_like(x)
         alpha = 1.0 - t.to(x.dtype) / 10
         self.record(t, noise)
-        self.steps_seen += 1  # a counter in the step: warned about once
         loss = F.mse_loss(self.body(alpha.sqrt() * x + (1 - alpha).sqrt() * noise), noise)
+        self.steps_seen += 1  # a counter in the step, after the body (the last stage's alone): warned about once
         self.log("train_loss", loss)
         return loss
 

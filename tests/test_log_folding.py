@@ -165,6 +165,31 @@ def test_a_list_appended_to_in_the_step_is_warned_about_once():
         effects.after("training_step", snapshot, last_stage=True)
 
 
+def test_lists_and_counters_are_warned_about_where_the_step_runs_whole():
+    """Regression: the warning was rank_zero_warn'ed by the process that saw the change, but code after the body
+    runs on the last stage only, never global rank 0: a list appended to after the body was never warned about.
+    Now the process holding the last stage of the first replica warns (``warns``), after a run of the whole
+    step, also where it runs the step up to the body first (ZB-V's process 0); other runs stay quiet."""
+    module = nn.Module()
+    module.scores = []
+    effects = StepEffects(module, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        snapshot = effects.before("training_step", whole=False)  # the run up to the body
+        effects.after("training_step", snapshot, last_stage=False)
+    with pytest.warns(UserWarning, match=r"appended to `self.scores`"):
+        snapshot = effects.before("training_step")
+        module.scores.append(1.0)
+        effects.after("training_step", snapshot, last_stage=True)
+    quiet = StepEffects(module, 3)
+    quiet.warns = False  # the last stage of another replica
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        snapshot = quiet.before("validation_step")
+        module.scores.append(1.0)
+        quiet.after("validation_step", snapshot, last_stage=True)
+
+
 def test_a_metric_seen_logged_only_on_epoch_gets_no_step_state_after_the_first_step():
     """The step state costs one more update per call: it is kept only for Metrics that may be logged on step."""
     module = Module()
@@ -215,8 +240,8 @@ def test_a_microbatch_that_averaged_over_nothing_adds_nothing_to_the_logged_mean
     assert all(torch.isnan(calls[name]["value"]) for name in ("ce", "loss"))
 
     from lightning_pipe.lightning.losses import merge
-    assert merge([{"ce": 0.5}, {"ce": nan}, {"ce": 2.0}], [3.0, 0.0, 2.0]) == {"ce": (0.5 * 3 + 2.0 * 2) / 5}
-    torch.testing.assert_close(merge([torch.tensor(0.5), torch.tensor(nan)], [1.0, 0.0]), torch.tensor(0.5))
+    assert merge([{"ce": 0.5}, {"ce": nan}, {"ce": 2.0}], [3.0, 0.0, 2.0], [4, 3, 3]) == {"ce": (0.5 * 3 + 2.0 * 2) / 5}
+    torch.testing.assert_close(merge([torch.tensor(0.5), torch.tensor(nan)], [1.0, 0.0], [4, 3]), torch.tensor(0.5))
 
 
 def _fold_steps(step, steps):

@@ -115,10 +115,33 @@ def test_mean_targets_counts_what_a_mean_cross_entropy_or_nll_loss_averaged_over
 def test_step_results_merge_like_one_step_over_the_batch():
     parts = [{"preds": torch.zeros(2), "acc": torch.tensor(1.0), "num_items": torch.tensor(3), "ids": ["a", "b"]},
              {"preds": torch.ones(1), "acc": torch.tensor(0.0), "num_items": torch.tensor(1), "ids": ["c"]}]
-    merged = merge(parts, [2.0, 1.0])
+    merged = merge(parts, [2.0, 1.0], [2, 1])
     assert merged["preds"].tolist() == [0.0, 0.0, 1.0] and merged["ids"] == ["a", "b", "c"]
     torch.testing.assert_close(merged["acc"], torch.tensor(2 / 3))
     assert int(merged["num_items"]) == 4
+
+
+def test_step_results_are_joined_per_sample_only():
+    """Regression: a one-sample microbatch's ``out.squeeze()`` is 0-dim, and a batch's predictions came back as
+    a list of tensors and numbers, or (every microbatch of one sample) as their mean; a tensor without a batch
+    dimension (``logits.mean(0)``, a confusion matrix) was concatenated into a tensor of another shape."""
+    from lightning_pipe.lightning import losses
+    from lightning_pipe.lightning.losses import merge
+
+    squeezed = [torch.tensor([0.5, 1.5]), torch.tensor(2.5), torch.tensor(3.5)]
+    torch.testing.assert_close(merge(squeezed, [2, 1, 1], [2, 1, 1]), torch.tensor([0.5, 1.5, 2.5, 3.5]))
+    ones = [torch.tensor(0.5), torch.tensor(1.5)]
+    torch.testing.assert_close(merge(ones, [1, 1], [1, 1], predictions=True), torch.tensor([0.5, 1.5]))
+    torch.testing.assert_close(merge(ones, [1, 1], [1, 1]), torch.tensor(1.0))  # a loss or a metric: the mean
+    seen: set = set()  # an earlier batch showed per-sample values under the key: a short last batch stacks them
+    merge([{"preds": torch.zeros(2)}, {"preds": torch.ones(2)}], [2, 2], [2, 2], per_sample=seen)
+    torch.testing.assert_close(merge([{"preds": v} for v in ones], [1, 1], [1, 1], per_sample=seen)["preds"],
+                               torch.tensor([0.5, 1.5]))
+    losses._WARNED_KEPT.discard("confusion")
+    matrices = [{"confusion": torch.eye(3)}, {"confusion": torch.ones(3, 3)}]
+    with pytest.warns(UserWarning, match=r"'confusion' of shapes \[\(3, 3\), \(3, 3\)\] from microbatches of \[2, 2\]"):
+        merged = merge(matrices, [2, 2], [2, 2])
+    assert isinstance(merged["confusion"], list) and len(merged["confusion"]) == 2
 
 
 # -- 3: side effects of the step -----------------------------------------------------------------

@@ -32,7 +32,6 @@ import warnings
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_pipe.errors import SideEffectError
@@ -89,6 +88,7 @@ class StepEffects:
         self.module = module
         self.num_microbatches = num_microbatches
         self.built: Set[str] = set()
+        self.warns = True  # whether this process warns about the step's lists and counters (see after)
         self._checked: Set[str] = set()
         self._warned: Set[str] = set()
 
@@ -139,12 +139,15 @@ class StepEffects:
             self.built.update(changed)
         if snapshot.versions is None:
             return
-        self._checked.add(hook)
+        if last_stage or not self.warns:  # a process that also runs the step whole (ZB-V's process 0) checks that run
+            self._checked.add(hook)
         self.refuse_updated(hook, snapshot.versions)  # before the rest of the first step, which may fail otherwise
+        if not (last_stage and self.warns):
+            return  # warned where the step runs whole (the last stage: not global rank 0, so not rank_zero_warn)
         lists = [n for n in self.grown(snapshot) if isinstance(getattr(self.module, n), list) and n not in self._warned]
         if lists:
             self._warned.update(lists)
-            rank_zero_warn(
+            warnings.warn(
                 f"{hook} appended to `self.{', self.'.join(lists)}`: under PipeStrategy the step runs once per "
                 f"microbatch ({self.num_microbatches} per batch), so such a list gets one entry per microbatch. "
                 "Per-sample values concatenate to the batch's, but a mean over per-step values (a loss) then weighs "
@@ -155,7 +158,7 @@ class StepEffects:
         counters = [n for n in changed if isinstance(getattr(self.module, n), (int, float)) and n not in self._warned]
         if counters:
             self._warned.update(counters)
-            rank_zero_warn(
+            warnings.warn(
                 f"{hook} changed `self.{', self.'.join(counters)}`: under PipeStrategy the step runs once per microbatch "
                 f"({self.num_microbatches} per batch), so a counter grows {self.num_microbatches} times per batch (one "
                 "that adds the batch size still sums to it). Count in on_train_batch_end to count batches"

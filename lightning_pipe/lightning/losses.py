@@ -18,14 +18,16 @@ unless the step gives one. A loss computed *from* such a call (``ce + aux``) who
 ignored ones is left to the rule above, with a warning.
 
 Other results of the step (``on_train_batch_end``'s ``outputs``) merge the same way: tensors with
-a batch dimension are concatenated, lists joined, numbers and 0-dim tensors combined like the loss
-(``num_items`` summed), anything else kept as a list with one value per microbatch.
+one row per sample are concatenated (a 0-dim tensor from a one-sample microbatch among them too),
+lists joined, numbers and 0-dim tensors combined like the loss (``num_items`` summed), anything
+else (tensors of another first size, with a warning) kept as a list with one value per microbatch.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from lightning_pipe.errors import ConfigurationError
 
 LOSS_REDUCTIONS = ("mean", "sum")
+_WARNED_KEPT: set = set()  # the keys of results kept as lists (see merge), warned about once
 
 
 def loss_of(output: Any, hook: str, required: bool = True) -> Optional[torch.Tensor]:
@@ -210,11 +213,12 @@ class LossAccount:
             return [self.items[i] for i in range(len(self.sizes))]
         return [float(s) for s in self.sizes]
 
-    def merged_extras(self) -> Dict[str, Any]:
-        """The step's other results, merged over the microbatches."""
+    def merged_extras(self, per_sample: Optional[set] = None) -> Dict[str, Any]:
+        """The step's other results, merged over the microbatches (``per_sample``: see :func:`merge`)."""
         if not self.extras:
             return {}
-        return merge([self.extras[i] for i in sorted(self.extras)], self.log_weights())
+        return merge([self.extras[i] for i in sorted(self.extras)], self.log_weights(),
+                     [self.sizes[i] for i in sorted(self.extras)], per_sample=per_sample)
 
 
 def _items(output: Any) -> Optional[float]:
@@ -241,22 +245,51 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def merge(values: List[Any], weights: Optional[Sequence[float]], key: str = "") -> Any:
-    """Merge per-microbatch values into the batch's (``weights`` None: numbers are summed).
+def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence[int], key: str = "",
+          predictions: bool = False, per_sample: Optional[set] = None) -> Any:
+    """Merge per-microbatch values into the batch's (``weights`` None: numbers are summed; ``sizes``: the
+    microbatches' sizes).
+
+    A tensor is per sample where its first dimension is its microbatch's size in every microbatch
+    (a 0-dim tensor counts for one sample: ``out.squeeze()`` of a one-sample microbatch); such
+    tensors are concatenated. Other tensors with dimensions (a mean over the batch, a confusion
+    matrix) are kept as a list, with a warning. 0-dim tensors from microbatches of one sample each
+    are stacked, not averaged, with ``predictions`` (``predict_step``'s, which has no loss to
+    average) or where an earlier step's values under the same key were joined per sample (``per_sample``:
+    the keys seen so, which this call adds to; a short last batch split one sample per microbatch).
 
     Example:
-        >>> merge([{"preds": torch.zeros(2), "acc": 1.0}, {"preds": torch.ones(1), "acc": 0.0}], [2, 1])
+        >>> merge([{"preds": torch.zeros(2), "acc": 1.0}, {"preds": torch.ones(1), "acc": 0.0}], [2, 1], [2, 1])
         {'preds': tensor([0., 0., 1.]), 'acc': 0.6666666666666666}
-        >>> merge([(torch.zeros(2), ("a", "b")), (torch.ones(1), ("c",))], [2, 1])
+        >>> merge([(torch.zeros(2), ("a", "b")), (torch.ones(1), ("c",))], [2, 1], [2, 1])
         (tensor([0., 0., 1.]), ('a', 'b', 'c'))
+        >>> merge([torch.zeros(2), torch.tensor(1.0)], [2, 1], [2, 1])  # the second squeezed from one sample
+        tensor([0., 0., 1.])
     """
     first = values[0]
     if all(v is None for v in values):
         return None
     if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys() for v in values):
-        return {k: merge([v[k] for v in values], weights, k) for k in first}
-    if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
-        return torch.cat(values)
+        return {k: merge([v[k] for v in values], weights, sizes, k, predictions, per_sample) for k in first}
+    tensors = all(isinstance(v, torch.Tensor) for v in values)
+    if tensors and all(n == 1 for n in sizes) and all(v.dim() == 0 for v in values) \
+            and (predictions or per_sample is not None and key in per_sample):
+        return torch.stack(values)
+    if tensors and any(v.dim() > 0 for v in values):
+        if all(v.shape[0] == n if v.dim() > 0 else n == 1 for v, n in zip(values, sizes)):
+            if per_sample is not None:
+                per_sample.add(key)
+            return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values])
+        if key not in _WARNED_KEPT:
+            _WARNED_KEPT.add(key)
+            warnings.warn(
+                f"the step returned tensors{f' under {key!r}' if key else ''} of shapes "
+                f"{[tuple(v.shape) for v in values]} from microbatches of {list(sizes)} samples: not one row per "
+                "sample, so they cannot be joined into the batch's (one step over the batch computes one value, which "
+                "PipeStrategy cannot), and on_*_batch_end and the predictions get a list with one per microbatch. "
+                "Return per-sample values (one row per sample) or numbers, or compute such a value in the epoch-end "
+                "hooks", stacklevel=2)
+        return list(values)
     if all(_is_number(v) for v in values):
         if key == "num_items" or weights is None:
             return _combine(values, [1.0] * len(values), normalize=False)
@@ -267,7 +300,8 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], key: str = "") 
         if all(isinstance(x, (str, bytes)) for v in values for x in v):  # per-sample strings, as default_collate makes
             return tuple(x for v in values for x in v)
         if all(len(v) == len(first) for v in values):  # a step returning (predictions, targets)
-            return tuple(merge([v[i] for v in values], weights, key) for i in range(len(first)))
+            return tuple(merge([v[i] for v in values], weights, sizes, f"{key}[{i}]", predictions, per_sample)
+                         for i in range(len(first)))
     return list(values)
 
 

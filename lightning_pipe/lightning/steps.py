@@ -10,6 +10,7 @@ so whatever the step draws before the body (noise, masks, mixing weights) is dra
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from contextlib import nullcontext
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -59,6 +60,7 @@ class StepRunner:
         self.watch_loggers_on: Optional[int] = None  # global rank of the last stage of replica 0, where not 0
         self.in_step = False  # the user's step is running (on a stage: the world's collectives are refused)
         self.targets = MeanTargets()  # what a cross_entropy loss averaged over, in the run that returns the loss
+        self.per_sample: Dict[str, set] = defaultdict(set)  # per hook: the result keys joined per sample (merge)
         self.copies_batch = False  # the training step writes into its batch: each run gets a copy (see run)
         self._training_steps = 0
         recorder.count_of = self.targets.count_of  # a logged one folds by it too
@@ -206,7 +208,7 @@ class StepRunner:
                 parts = scatter((batch,), len(per_microbatch), pipeline.batch_dim)
                 results = [self.note(i, self.run(i, part[0], "replace", out))
                            for i, (out, part) in enumerate(zip(per_microbatch, parts))]
-                outputs = outputs_of(results, self.account, pipeline.last_sizes)
+                outputs = outputs_of(results, self.account, pipeline.last_sizes, hook, self.per_sample[hook])
                 shared = {"outputs": outputs}  # what on_*_batch_end gets on every rank, as under DDP
                 summary = (None, self.folded_logs(pipeline.last_sizes), shared, None)
             pipeline.reseed(rng.END)
@@ -242,9 +244,11 @@ class FirstStage(nn.Module):
         return runner.loss(i, output) if runner.hook == "training_step" else (runner.note(i, output),)
 
 
-def outputs_of(results: Sequence[Any], account: Optional[LossAccount], sizes: Sequence[int]) -> Any:
+def outputs_of(results: Sequence[Any], account: Optional[LossAccount], sizes: Sequence[int], hook: str,
+               per_sample: set) -> Any:
     """An evaluation step's merged result over the microbatches (what ``on_*_batch_end`` receives)."""
-    return merge(list(results), account.log_weights() if account is not None else list(sizes))
+    return merge(list(results), account.log_weights() if account is not None else list(sizes), sizes,
+                 predictions=hook == "predict_step", per_sample=per_sample)
 
 
 def metric_counts(module: nn.Module, body_path: str) -> Dict[str, int]:

@@ -327,6 +327,7 @@ class PipeStrategy(DDPStrategy):
         watch = self.pp_size > 1 and self.is_last_stage and self.dp_rank == 0 and self.global_rank != 0
         self._runner.watch_loggers_on = self.global_rank if watch else None
         self._effects.num_microbatches = m
+        self._effects.warns = self.is_last_stage and self.dp_rank == 0  # once, where the step runs whole
         for metric in (m for m in module.modules() if isinstance(m, logs.Metric) and m.process_group is None):
             metric.process_group = self.dp_group
         if not any(isinstance(c, hooks.StepState) for c in trainer.callbacks):
@@ -483,7 +484,8 @@ class PipeStrategy(DDPStrategy):
                 self._learn_usage()
             self._pending_grads = gradients.take_grads(module.parameters())
             account = self._runner.account
-            summary = (loss, self._runner.folded_logs(self._pipeline.last_sizes), account.merged_extras(),
+            summary = (loss, self._runner.folded_logs(self._pipeline.last_sizes),
+                       account.merged_extras(self._runner.per_sample["training_step"]),
                        account.normalizer()) if last else None
             loss, extras, normalizer = self._share_results(summary, posted[0] if posted else None, "training_step",
                                                            loaded)
