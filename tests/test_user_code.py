@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import warnings
+
 import pytest
 import torch
 
@@ -121,27 +123,39 @@ def test_step_results_merge_like_one_step_over_the_batch():
     assert int(merged["num_items"]) == 4
 
 
-def test_step_results_are_joined_per_sample_only():
+def test_step_results_are_joined_as_one_step_over_the_batch_returns_them():
     """Regression: a one-sample microbatch's ``out.squeeze()`` is 0-dim, and a batch's predictions came back as
     a list of tensors and numbers, or (every microbatch of one sample) as their mean; a tensor without a batch
-    dimension (``logits.mean(0)``, a confusion matrix) was concatenated into a tensor of another shape."""
-    from lightning_pipe.lightning import losses
-    from lightning_pipe.lightning.losses import merge
+    dimension (``logits.mean(0)``, a confusion matrix) was concatenated into a tensor of another shape. Rows that
+    follow the samples (per-token ``view(-1, V)``, a masked selection) are joined as before; one value is kept."""
+    from lightning_pipe.lightning.losses import Shapes, merge
 
     squeezed = [torch.tensor([0.5, 1.5]), torch.tensor(2.5), torch.tensor(3.5)]
     torch.testing.assert_close(merge(squeezed, [2, 1, 1], [2, 1, 1]), torch.tensor([0.5, 1.5, 2.5, 3.5]))
+    tokens = [torch.zeros(6, 5), torch.ones(3, 5)]  # 3 tokens a sample, flattened; then a masked selection
+    assert merge(tokens, [2, 1], [2, 1]).shape == (9, 5) and merge([torch.zeros(4), torch.ones(4)], [2, 2], [2, 2]).shape == (8,)
+    single = torch.tensor(0.25)  # a batch of one sample is one microbatch: its result as it is
+    assert merge([single], [1], [1], predictions=True) is single
     ones = [torch.tensor(0.5), torch.tensor(1.5)]
     torch.testing.assert_close(merge(ones, [1, 1], [1, 1], predictions=True), torch.tensor([0.5, 1.5]))
     torch.testing.assert_close(merge(ones, [1, 1], [1, 1]), torch.tensor(1.0))  # a loss or a metric: the mean
-    seen: set = set()  # an earlier batch showed per-sample values under the key: a short last batch stacks them
-    merge([{"preds": torch.zeros(2)}, {"preds": torch.ones(2)}], [2, 2], [2, 2], per_sample=seen)
-    torch.testing.assert_close(merge([{"preds": v} for v in ones], [1, 1], [1, 1], per_sample=seen)["preds"],
-                               torch.tensor([0.5, 1.5]))
-    losses._WARNED_KEPT.discard("confusion")
+    predicted = merge([{"loss": v, "preds": v} for v in ones], [1, 1], [1, 1], predictions=True)
+    assert predicted["loss"].dim() == 0 and predicted["preds"].shape == (2,)
+    with pytest.warns(UserWarning, match="0-dim tensors under 'acc' from microbatches of one sample each"):
+        merge([{"acc": v} for v in ones], [1, 1], [1, 1])
+    shapes = Shapes()  # an earlier batch showed per-sample values under the key: a short last batch stacks them
+    merge([{"out": {"preds": torch.zeros(2), "score": torch.tensor(0.0)}}] * 2, [2, 2], [2, 2], shapes=shapes)
+    with pytest.warns(UserWarning, match="'out.score'"):  # not 'out.preds'
+        merged = merge([{"out": {"preds": v, "score": v}} for v in ones], [1, 1], [1, 1], shapes=shapes)["out"]
+    torch.testing.assert_close(merged["preds"], torch.tensor([0.5, 1.5]))
+    torch.testing.assert_close(merged["score"], torch.tensor(1.0))  # another key at the same depth: a number
     matrices = [{"confusion": torch.eye(3)}, {"confusion": torch.ones(3, 3)}]
-    with pytest.warns(UserWarning, match=r"'confusion' of shapes \[\(3, 3\), \(3, 3\)\] from microbatches of \[2, 2\]"):
-        merged = merge(matrices, [2, 2], [2, 2])
+    with pytest.warns(UserWarning, match=r"'confusion' of shapes \[\(3, 3\), \(3, 3\)\] from microbatches of \[2, 1\]"):
+        merged = merge(matrices, [2, 1], [2, 1], shapes=shapes)
     assert isinstance(merged["confusion"], list) and len(merged["confusion"]) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once; a list again in a later batch of equal microbatches
+        assert isinstance(merge(matrices, [2, 2], [2, 2], shapes=shapes)["confusion"], list)
 
 
 # -- 3: side effects of the step -----------------------------------------------------------------

@@ -29,7 +29,7 @@ import inspect
 import math
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from lightning_pipe.errors import ConfigurationError
 
 LOSS_REDUCTIONS = ("mean", "sum")
-_WARNED_KEPT: set = set()  # the keys of results kept as lists (see merge), warned about once
 
 
 def loss_of(output: Any, hook: str, required: bool = True) -> Optional[torch.Tensor]:
@@ -213,12 +212,12 @@ class LossAccount:
             return [self.items[i] for i in range(len(self.sizes))]
         return [float(s) for s in self.sizes]
 
-    def merged_extras(self, per_sample: Optional[set] = None) -> Dict[str, Any]:
-        """The step's other results, merged over the microbatches (``per_sample``: see :func:`merge`)."""
+    def merged_extras(self, shapes: Optional["Shapes"] = None) -> Dict[str, Any]:
+        """The step's other results, merged over the microbatches (``shapes``: see :func:`merge`)."""
         if not self.extras:
             return {}
         return merge([self.extras[i] for i in sorted(self.extras)], self.log_weights(),
-                     [self.sizes[i] for i in sorted(self.extras)], per_sample=per_sample)
+                     [self.sizes[i] for i in sorted(self.extras)], shapes=shapes)
 
 
 def _items(output: Any) -> Optional[float]:
@@ -245,18 +244,30 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence[int], key: str = "",
-          predictions: bool = False, per_sample: Optional[set] = None) -> Any:
-    """Merge per-microbatch values into the batch's (``weights`` None: numbers are summed; ``sizes``: the
-    microbatches' sizes).
+class Shapes:
+    """What earlier batches showed about one hook's results, by key path (see :func:`merge`)."""
 
-    A tensor is per sample where its first dimension is its microbatch's size in every microbatch
-    (a 0-dim tensor counts for one sample: ``out.squeeze()`` of a one-sample microbatch); such
-    tensors are concatenated. Other tensors with dimensions (a mean over the batch, a confusion
-    matrix) are kept as a list, with a warning. 0-dim tensors from microbatches of one sample each
-    are stacked, not averaged, with ``predictions`` (``predict_step``'s, which has no loss to
-    average) or where an earlier step's values under the same key were joined per sample (``per_sample``:
-    the keys seen so, which this call adds to; a short last batch split one sample per microbatch).
+    def __init__(self) -> None:
+        self.per_sample: Set[str] = set()  # joined with one row per sample
+        self.not_batched: Set[str] = set()  # the same shape from microbatches of different sizes
+        self.warned: Set[str] = set()
+
+
+def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence[int], key: str = "",
+          predictions: bool = False, shapes: Optional[Shapes] = None) -> Any:
+    """Merge per-microbatch values into the batch's (``weights`` None: numbers are summed; ``sizes``: the
+    microbatches' sizes; ``key``: the values' path in the result).
+
+    Tensors with dimensions are concatenated: rows per sample (a 0-dim tensor counts as the row of a
+    one-sample microbatch: ``out.squeeze()``), or rows that follow the samples (``logits.view(-1, V)``,
+    a masked selection). Tensors of one shape from microbatches of different sizes are no rows of
+    the batch (``logits.mean(0)``, a confusion matrix, which one step computes over the whole batch):
+    they come as a list with one per microbatch, with a warning, then and in later steps
+    (``shapes``, which this call updates). 0-dim tensors from microbatches of one sample each are
+    stacked as rows, not combined like numbers, for ``predictions`` (``predict_step``'s, which has no
+    loss to average; not under a key ``loss``) and where an earlier batch's values under the key were
+    joined per sample (a short last batch); otherwise they cannot be told from a per-batch number,
+    and a key other than ``loss`` gets a warning. One value is returned as it is.
 
     Example:
         >>> merge([{"preds": torch.zeros(2), "acc": 1.0}, {"preds": torch.ones(1), "acc": 0.0}], [2, 1], [2, 1])
@@ -266,32 +277,45 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
         >>> merge([torch.zeros(2), torch.tensor(1.0)], [2, 1], [2, 1])  # the second squeezed from one sample
         tensor([0., 0., 1.])
     """
+    if len(values) == 1:
+        return values[0]
+    shapes = shapes if shapes is not None else Shapes()
     first = values[0]
     if all(v is None for v in values):
         return None
     if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys() for v in values):
-        return {k: merge([v[k] for v in values], weights, sizes, k, predictions, per_sample) for k in first}
+        return {k: merge([v[k] for v in values], weights, sizes, f"{key}.{k}" if key else str(k), predictions, shapes)
+                for k in first}
     tensors = all(isinstance(v, torch.Tensor) for v in values)
-    if tensors and all(n == 1 for n in sizes) and all(v.dim() == 0 for v in values) \
-            and (predictions or per_sample is not None and key in per_sample):
-        return torch.stack(values)
     if tensors and any(v.dim() > 0 for v in values):
         if all(v.shape[0] == n if v.dim() > 0 else n == 1 for v, n in zip(values, sizes)):
-            if per_sample is not None:
-                per_sample.add(key)
+            shapes.per_sample.add(key)
             return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values])
-        if key not in _WARNED_KEPT:
-            _WARNED_KEPT.add(key)
+        if len(set(sizes)) > 1 and len({v.shape for v in values}) == 1:
+            shapes.not_batched.add(key)
+        if key not in shapes.not_batched and all(v.dim() > 0 and v.shape[1:] == first.shape[1:] for v in values):
+            return torch.cat(values)
+        if key not in shapes.warned:
+            shapes.warned.add(key)
             warnings.warn(
                 f"the step returned tensors{f' under {key!r}' if key else ''} of shapes "
-                f"{[tuple(v.shape) for v in values]} from microbatches of {list(sizes)} samples: not one row per "
-                "sample, so they cannot be joined into the batch's (one step over the batch computes one value, which "
+                f"{[tuple(v.shape) for v in values]} from microbatches of {list(sizes)} samples: not rows of the "
+                "batch, so they cannot be joined into the batch's value (one step over the batch computes one, which "
                 "PipeStrategy cannot), and on_*_batch_end and the predictions get a list with one per microbatch. "
-                "Return per-sample values (one row per sample) or numbers, or compute such a value in the epoch-end "
-                "hooks", stacklevel=2)
+                "Return per-sample values or numbers, or compute such a value in an epoch-end hook", stacklevel=2)
         return list(values)
+    if tensors and all(n == 1 for n in sizes) and all(v.dim() == 0 for v in values):
+        name = key.rpartition(".")[2]
+        if predictions and name != "loss" or key in shapes.per_sample:
+            return torch.stack(values)
+        if key and name not in ("loss", "num_items") and key not in shapes.warned:
+            shapes.warned.add(key)
+            warnings.warn(
+                f"the step returned 0-dim tensors under {key!r} from microbatches of one sample each, which cannot be "
+                "told from per-batch numbers: they are combined like the loss (a mean). If they are per-sample values "
+                "(`out.squeeze()` of one sample), return them with their batch dimension (`squeeze(-1)`)", stacklevel=2)
     if all(_is_number(v) for v in values):
-        if key == "num_items" or weights is None:
+        if key.rpartition(".")[2] == "num_items" or weights is None:
             return _combine(values, [1.0] * len(values), normalize=False)
         return _combine(values, weights, normalize=True)
     if all(isinstance(v, list) for v in values):
@@ -300,7 +324,7 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
         if all(isinstance(x, (str, bytes)) for v in values for x in v):  # per-sample strings, as default_collate makes
             return tuple(x for v in values for x in v)
         if all(len(v) == len(first) for v in values):  # a step returning (predictions, targets)
-            return tuple(merge([v[i] for v in values], weights, sizes, f"{key}[{i}]", predictions, per_sample)
+            return tuple(merge([v[i] for v in values], weights, sizes, f"{key}[{i}]", predictions, shapes)
                          for i in range(len(first)))
     return list(values)
 

@@ -24,7 +24,7 @@ from lightning_pipe.lightning import loggers, release
 from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
-from lightning_pipe.lightning.losses import LossAccount, MeanTargets, loss_of, merge
+from lightning_pipe.lightning.losses import LossAccount, MeanTargets, Shapes, loss_of, merge
 from lightning_pipe.lightning.stale import StaleCopies, unmark
 from lightning_pipe.microbatch import copy_tensors, scatter, tensor_versions, written_since
 
@@ -60,7 +60,7 @@ class StepRunner:
         self.watch_loggers_on: Optional[int] = None  # global rank of the last stage of replica 0, where not 0
         self.in_step = False  # the user's step is running (on a stage: the world's collectives are refused)
         self.targets = MeanTargets()  # what a cross_entropy loss averaged over, in the run that returns the loss
-        self.per_sample: Dict[str, set] = defaultdict(set)  # per hook: the result keys joined per sample (merge)
+        self.shapes: Dict[str, Shapes] = defaultdict(Shapes)  # per hook: what its results showed (see merge)
         self.copies_batch = False  # the training step writes into its batch: each run gets a copy (see run)
         self._training_steps = 0
         recorder.count_of = self.targets.count_of  # a logged one folds by it too
@@ -208,7 +208,7 @@ class StepRunner:
                 parts = scatter((batch,), len(per_microbatch), pipeline.batch_dim)
                 results = [self.note(i, self.run(i, part[0], "replace", out))
                            for i, (out, part) in enumerate(zip(per_microbatch, parts))]
-                outputs = outputs_of(results, self.account, pipeline.last_sizes, hook, self.per_sample[hook])
+                outputs = outputs_of(results, self.account, pipeline.last_sizes, hook, self.shapes[hook])
                 shared = {"outputs": outputs}  # what on_*_batch_end gets on every rank, as under DDP
                 summary = (None, self.folded_logs(pipeline.last_sizes), shared, None)
             pipeline.reseed(rng.END)
@@ -245,10 +245,10 @@ class FirstStage(nn.Module):
 
 
 def outputs_of(results: Sequence[Any], account: Optional[LossAccount], sizes: Sequence[int], hook: str,
-               per_sample: set) -> Any:
+               shapes: Shapes) -> Any:
     """An evaluation step's merged result over the microbatches (what ``on_*_batch_end`` receives)."""
     return merge(list(results), account.log_weights() if account is not None else list(sizes), sizes,
-                 predictions=hook == "predict_step", per_sample=per_sample)
+                 predictions=hook == "predict_step", shapes=shapes)
 
 
 def metric_counts(module: nn.Module, body_path: str) -> Dict[str, int]:

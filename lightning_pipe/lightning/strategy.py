@@ -485,7 +485,7 @@ class PipeStrategy(DDPStrategy):
             self._pending_grads = gradients.take_grads(module.parameters())
             account = self._runner.account
             summary = (loss, self._runner.folded_logs(self._pipeline.last_sizes),
-                       account.merged_extras(self._runner.per_sample["training_step"]),
+                       account.merged_extras(self._runner.shapes["training_step"]),
                        account.normalizer()) if last else None
             loss, extras, normalizer = self._share_results(summary, posted[0] if posted else None, "training_step",
                                                            loaded)
