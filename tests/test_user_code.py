@@ -157,6 +157,18 @@ def test_step_results_are_joined_as_one_step_over_the_batch_returns_them():
         warnings.simplefilter("error")  # warned once; a list again in a later batch of equal microbatches
         assert isinstance(merge(matrices, [2, 2], [2, 2], shapes=shapes)["confusion"], list)
 
+    # a masked selection whose counts vary is rows, even where they happen to be equal or empty later
+    shapes = Shapes()
+    for counts, sizes in (([3, 1], [5, 4]), ([2, 2], [5, 4]), ([0, 0], [5, 4]), ([2, 2], [4, 4])):
+        merged = merge([torch.zeros(n, 2) for n in counts], sizes, sizes, "wrong", shapes=shapes)
+        assert merged.shape == (sum(counts), 2)
+    assert merge([torch.zeros(0, 2)] * 2, [5, 4], [5, 4], "none", shapes=Shapes()).shape == (0, 2)
+    # per-sample rows of each microbatch's own length (generate's outputs): one step pads them its own way
+    with pytest.warns(UserWarning, match="rows of different lengths"):
+        assert isinstance(merge([torch.zeros(2, 6), torch.zeros(2, 4)], [2, 2], [2, 2], "tokens"), list)
+    # a number among tensors (`acc if n else 0.0`) combines with them
+    torch.testing.assert_close(merge([torch.tensor(0.5), 0.0], [1.0, 1.0], [1, 1], "acc"), torch.tensor(0.25))
+
 
 # -- 3: side effects of the step -----------------------------------------------------------------
 def test_a_counter_in_the_step_is_warned_about_once(lm_runs):

@@ -249,8 +249,21 @@ class Shapes:
 
     def __init__(self) -> None:
         self.per_sample: Set[str] = set()  # joined with one row per sample
-        self.not_batched: Set[str] = set()  # the same shape from microbatches of different sizes
+        self.first_size: Dict[str, int] = {}  # the first dimension's size seen first
+        self.varied: Set[str] = set()  # first dimensions that differed (between microbatches or batches): rows
+        self.not_batched: Set[str] = set()  # one unvaried shape from microbatches of different sizes
         self.warned: Set[str] = set()
+
+    def rows(self, key: str, values: List[torch.Tensor], sizes: Sequence[int]) -> bool:
+        """Whether ``values`` (each with a dimension, none with one row per sample) are rows of the batch: not
+        where one shape came from microbatches of different sizes and the key's first size never varied (a
+        mean over the batch, a confusion matrix); an empty selection is rows."""
+        firsts = {v.shape[0] for v in values}
+        if len(firsts) > 1 or 0 in firsts or firsts != {self.first_size.setdefault(key, min(firsts))}:
+            self.varied.add(key)
+        if key not in self.varied and len({v.shape for v in values}) == 1 and len(set(sizes)) > 1:
+            self.not_batched.add(key)
+        return key in self.varied or key not in self.not_batched
 
 
 def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence[int], key: str = "",
@@ -260,10 +273,12 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
 
     Tensors with dimensions are concatenated: rows per sample (a 0-dim tensor counts as the row of a
     one-sample microbatch: ``out.squeeze()``), or rows that follow the samples (``logits.view(-1, V)``,
-    a masked selection). Tensors of one shape from microbatches of different sizes are no rows of
-    the batch (``logits.mean(0)``, a confusion matrix, which one step computes over the whole batch):
-    they come as a list with one per microbatch, with a warning, then and in later steps
-    (``shapes``, which this call updates). 0-dim tensors from microbatches of one sample each are
+    a masked selection). Tensors of one shape from microbatches of different sizes, under a key whose
+    first size never varied, are no rows of the batch (``logits.mean(0)``, a confusion matrix, which
+    one step computes over the whole batch): they come as a list with one per microbatch, with a
+    warning, then and in later steps until the first size varies (``shapes``, which this call
+    updates); so do per-sample tensors whose other sizes differ (``generate``'s outputs of each
+    microbatch's own length), which one step pads its own way. 0-dim tensors from microbatches of one sample each are
     stacked as rows, not combined like numbers, for ``predictions`` (``predict_step``'s, which has no
     loss to average; not under a key ``loss``) and where an earlier batch's values under the key were
     joined per sample (a short last batch); otherwise they cannot be told from a per-batch number,
@@ -288,21 +303,22 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
                 for k in first}
     tensors = all(isinstance(v, torch.Tensor) for v in values)
     if tensors and any(v.dim() > 0 for v in values):
+        same_rest = all(v.shape[1:] == values[-1].shape[1:] for v in values)
         if all(v.shape[0] == n if v.dim() > 0 else n == 1 for v, n in zip(values, sizes)):
             shapes.per_sample.add(key)
-            return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values])
-        if len(set(sizes)) > 1 and len({v.shape for v in values}) == 1:
-            shapes.not_batched.add(key)
-        if key not in shapes.not_batched and all(v.dim() > 0 and v.shape[1:] == first.shape[1:] for v in values):
+            if same_rest:
+                return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values])
+        elif all(v.dim() > 0 for v in values) and shapes.rows(key, values, sizes) and same_rest:
             return torch.cat(values)
         if key not in shapes.warned:
             shapes.warned.add(key)
             warnings.warn(
                 f"the step returned tensors{f' under {key!r}' if key else ''} of shapes "
                 f"{[tuple(v.shape) for v in values]} from microbatches of {list(sizes)} samples: not rows of the "
-                "batch, so they cannot be joined into the batch's value (one step over the batch computes one, which "
-                "PipeStrategy cannot), and on_*_batch_end and the predictions get a list with one per microbatch. "
-                "Return per-sample values or numbers, or compute such a value in an epoch-end hook", stacklevel=2)
+                "batch, or rows of different lengths, so they cannot be joined into the batch's value (one step over "
+                "the batch computes or pads it its own way, which PipeStrategy cannot), and on_*_batch_end and the "
+                "predictions get a list with one per microbatch. Return per-sample values of one shape or numbers, or "
+                "compute such a value in an epoch-end hook", stacklevel=2)
         return list(values)
     if tensors and all(n == 1 for n in sizes) and all(v.dim() == 0 for v in values):
         name = key.rpartition(".")[2]
@@ -339,8 +355,9 @@ def _combine(values: List[Any], weights: Sequence[float], normalize: bool) -> An
     if normalize and 0 in weights and any(weights):  # a microbatch that averaged over no item (0/0, NaN) adds nothing
         values, weights = [v for v, w in zip(values, weights) if w != 0], [w for w in weights if w != 0]
     total = sum(weights) if normalize else 1.0
-    if isinstance(values[0], torch.Tensor):
-        stacked = torch.stack([v.to(torch.float64) for v in values])
+    tensor = next((v for v in values if isinstance(v, torch.Tensor)), None)
+    if tensor is not None:  # a number among tensors (`acc if n else 0.0`) joins them
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=tensor.device) for v in values])
         weight = torch.tensor(list(weights), dtype=torch.float64, device=stacked.device)
-        return ((stacked * weight).sum() / total).to(values[0].dtype)
+        return ((stacked * weight).sum() / total).to(tensor.dtype)
     return sum(v * w for v, w in zip(values, weights)) / total
