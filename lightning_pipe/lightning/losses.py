@@ -17,10 +17,11 @@ by ``weight`` where given: :class:`MeanTargets` counts them, and that count is i
 unless the step gives one. A loss computed *from* such a call (``ce + aux``) whose targets include
 ignored ones is left to the rule above, with a warning.
 
-Other results of the step (``on_train_batch_end``'s ``outputs``) merge the same way: tensors with
-one row per sample are concatenated (a 0-dim tensor from a one-sample microbatch among them too),
-lists joined, numbers and 0-dim tensors combined like the loss (``num_items`` summed), anything
-else (tensors of another first size, with a warning) kept as a list with one value per microbatch.
+Other results of the step (``on_train_batch_end``'s ``outputs``) merge the same way: tensors whose
+rows follow the samples are concatenated (a 0-dim tensor from a one-sample microbatch counts as a
+row), lists joined, numbers and 0-dim tensors combined like the loss (``num_items`` summed),
+anything else (a per-batch tensor such as a confusion matrix, with a warning) kept as a list with
+one value per microbatch; :func:`merge` gives the rules.
 """
 
 from __future__ import annotations
@@ -278,11 +279,12 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
     one step computes over the whole batch): they come as a list with one per microbatch, with a
     warning, then and in later steps until the first size varies (``shapes``, which this call
     updates); so do per-sample tensors whose other sizes differ (``generate``'s outputs of each
-    microbatch's own length), which one step pads its own way. 0-dim tensors from microbatches of one sample each are
-    stacked as rows, not combined like numbers, for ``predictions`` (``predict_step``'s, which has no
-    loss to average; not under a key ``loss``) and where an earlier batch's values under the key were
-    joined per sample (a short last batch); otherwise they cannot be told from a per-batch number,
-    and a key other than ``loss`` gets a warning. One value is returned as it is.
+    microbatch's own length), which one step pads its own way. 0-dim tensors from microbatches of
+    one sample each are stacked as rows, not combined like numbers, for ``predictions``
+    (``predict_step``'s, which has no loss to average; not under a key ``loss``) and where an
+    earlier batch's values under the key were joined per sample (a short last batch); otherwise
+    they cannot be told from a per-batch number, and a key other than ``loss`` gets a warning.
+    One value is returned as it is.
 
     Example:
         >>> merge([{"preds": torch.zeros(2), "acc": 1.0}, {"preds": torch.ones(1), "acc": 0.0}], [2, 1], [2, 1])
