@@ -17,6 +17,7 @@ from torchmetrics.aggregation import SumMetric
 from lightning_pipe import ConfigurationError
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder
+from lightning_pipe.lightning.losses import merge
 
 SIZES = [4, 3, 3]
 
@@ -239,7 +240,6 @@ def test_a_microbatch_that_averaged_over_nothing_adds_nothing_to_the_logged_mean
     calls = {c["name"]: c for c in _record(Module(), step([nan] * 3, [0, 0, 0]), weights=[0.0] * 3)}
     assert all(torch.isnan(calls[name]["value"]) for name in ("ce", "loss"))
 
-    from lightning_pipe.lightning.losses import merge
     assert merge([{"ce": 0.5}, {"ce": nan}, {"ce": 2.0}], [3.0, 0.0, 2.0], [4, 3, 3]) == {"ce": (0.5 * 3 + 2.0 * 2) / 5}
     torch.testing.assert_close(merge([torch.tensor(0.5), torch.tensor(nan)], [1.0, 0.0], [4, 3]), torch.tensor(0.5))
 

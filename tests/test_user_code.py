@@ -8,7 +8,6 @@ rank's step drew there, microbatch by microbatch.
 from __future__ import annotations
 
 import re
-
 import warnings
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 from lightning_pipe import ConfigurationError
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import combine_stages
-from lightning_pipe.lightning.losses import LossAccount, merge
+from lightning_pipe.lightning.losses import LossAccount, Shapes, merge
 from tests.conftest import launch_lm_app, stop_reasons, warned_by_run
 from tests.test_model_styles import assert_same_training
 
@@ -128,12 +127,11 @@ def test_step_results_are_joined_as_one_step_over_the_batch_returns_them():
     a list of tensors and numbers, or (every microbatch of one sample) as their mean; a tensor without a batch
     dimension (``logits.mean(0)``, a confusion matrix) was concatenated into a tensor of another shape. Rows that
     follow the samples (per-token ``view(-1, V)``, a masked selection) are joined as before; one value is kept."""
-    from lightning_pipe.lightning.losses import Shapes, merge
-
     squeezed = [torch.tensor([0.5, 1.5]), torch.tensor(2.5), torch.tensor(3.5)]
     torch.testing.assert_close(merge(squeezed, [2, 1, 1], [2, 1, 1]), torch.tensor([0.5, 1.5, 2.5, 3.5]))
     tokens = [torch.zeros(6, 5), torch.ones(3, 5)]  # 3 tokens a sample, flattened; then a masked selection
-    assert merge(tokens, [2, 1], [2, 1]).shape == (9, 5) and merge([torch.zeros(4), torch.ones(4)], [2, 2], [2, 2]).shape == (8,)
+    assert merge(tokens, [2, 1], [2, 1]).shape == (9, 5)
+    assert merge([torch.zeros(4), torch.ones(4)], [2, 2], [2, 2]).shape == (8,)
     single = torch.tensor(0.25)  # a batch of one sample is one microbatch: its result as it is
     assert merge([single], [1], [1], predictions=True) is single
     ones = [torch.tensor(0.5), torch.tensor(1.5)]
