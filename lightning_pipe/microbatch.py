@@ -368,8 +368,7 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0, made: Optional[list] =
         elif isinstance(leaf, (list, tuple)):  # a per-sample sequence (the only list or tuple leaf)
             columns.append([leaf[end - size:end] for end, size in bounds])
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            parts = torch.tensor_split(leaf, num_microbatches, dim=batch_dim)
-            columns.append([part.data for part in parts] if _own_versions(leaf, shared) else list(parts))
+            columns.append(_slices(leaf, num_microbatches, batch_dim, shared))
         elif isinstance(leaf, torch.Tensor) and _own_versions(leaf, shared):  # 0-dim (see the module docstring)
             columns.append([leaf] + [leaf.clone() for _ in range(num_microbatches - 1)])
         else:
@@ -377,9 +376,22 @@ def scatter(inputs: Any, chunks: int, batch_dim: int = 0, made: Optional[list] =
         if isinstance(leaf, torch.Tensor):
             done[id(leaf)] = columns[-1]
     if made is not None:
-        made += [(t, t._version) for t in {id(t): t for column in columns for t in column
-                                          if isinstance(t, torch.Tensor) and not t.is_inference()}.values()]
+        made += _versions(columns)
     return [tree_unflatten([column[i] for column in columns], spec) for i in range(num_microbatches)]
+
+
+def _slices(tensor: torch.Tensor, num_microbatches: int, batch_dim: int, shared: set) -> List[torch.Tensor]:
+    """``tensor`` split into microbatches, each slice with its own version counter where :func:`_own_versions`
+    allows it."""
+    parts = torch.tensor_split(tensor, num_microbatches, dim=batch_dim)
+    return [part.data for part in parts] if _own_versions(tensor, shared) else list(parts)
+
+
+def _versions(columns: Sequence[Sequence[Any]]) -> List[Tuple[torch.Tensor, int]]:
+    """Each distinct tensor of ``columns`` (one per leaf, a value per microbatch) with its version now (an
+    inference tensor has none)."""
+    tensors = {id(t): t for column in columns for t in column if isinstance(t, torch.Tensor) and not t.is_inference()}
+    return [(t, t._version) for t in tensors.values()]
 
 
 def plain_tensors(tree: Any) -> Optional[List[torch.Tensor]]:
@@ -434,10 +446,9 @@ def _scatter_plain(inputs: Any, tensors: List[torch.Tensor], num_microbatches: i
     slices: Dict[int, list] = {}  # id of a tensor -> its slices (the same ones wherever it appears)
     for tensor in tensors:
         if id(tensor) not in slices:
-            parts = torch.tensor_split(tensor, num_microbatches, dim=batch_dim)
-            slices[id(tensor)] = [part.data for part in parts] if _own_versions(tensor, shared) else list(parts)
+            slices[id(tensor)] = _slices(tensor, num_microbatches, batch_dim, shared)
     if made is not None:
-        made += [(t, t._version) for column in slices.values() for t in column if not t.is_inference()]
+        made += _versions(list(slices.values()))
 
     def build(tree: Any, i: int) -> Any:
         kind = type(tree)
