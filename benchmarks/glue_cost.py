@@ -64,7 +64,6 @@ import lightning_pipe  # noqa: E402
 from lightning_pipe.lightning import logs  # noqa: E402
 
 
-
 def _option(name: str, default: int) -> int:
     """``name N`` from the command line, else ``default`` (Lightning starts rank 1 with the same arguments)."""
     args = sys.argv[1:]
