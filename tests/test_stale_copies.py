@@ -276,6 +276,7 @@ def test_refresh_sends_what_the_step_needs_once_per_optimizer_step():
     first.embed.register_buffer("running", torch.ones(3))
     last.embed.register_buffer("running", torch.zeros(3))
     first.offset, last.offset = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))  # the module's own
+    first.temp, last.temp = nn.Parameter(torch.ones(())), nn.Parameter(torch.zeros(()))  # its own, used after the body
     with torch.no_grad():
         for p in first.parameters():
             p.add_(1.0)  # the first stage trained its copies
@@ -286,7 +287,9 @@ def test_refresh_sends_what_the_step_needs_once_per_optimizer_step():
             copies.refresh(_Transport(rank, queue), 0, 1, training)
 
     for copies in ranks:
-        assert copies.learn(["embed", "pos", "head"], fresh={"head"}) == ["", "embed", "pos"]
+        # the last stage trains `temp` and `embed.bias` itself (a parameter read after the body)
+        kept = {"head.weight", "head.bias", "temp", "embed.bias"}
+        assert copies.learn(["embed", "pos", "head"], fresh={"head"}, kept=kept) == ["", "embed", "pos"]
         assert copies.stale == ["", "embed", "extra", "pos"]
     refresh(training=True)  # no optimizer step yet: nothing sent
     assert queue == [] and not torch.equal(last.embed.weight, first.embed.weight)
@@ -296,6 +299,9 @@ def test_refresh_sends_what_the_step_needs_once_per_optimizer_step():
     torch.testing.assert_close(last.embed.weight, first.embed.weight)
     torch.testing.assert_close(last.embed.running, first.embed.running)  # buffers too (running statistics)
     torch.testing.assert_close(last.offset, first.offset)  # read as an attribute: always kept in sync
+    # trained on the last stage: never overwritten, though their modules are refreshed (regression: the trained
+    # `temp` was reset to the first stage's untrained copy before every step)
+    assert last.temp.item() == 0.0 and torch.equal(last.embed.bias, _model().embed.bias)
     assert not torch.equal(last.pos.weight, first.pos.weight)  # frozen: not sent
     assert not torch.equal(last.extra.weight, first.extra.weight)  # not used beyond the body in training
     assert not torch.equal(last.head.weight, first.head.weight)  # trained on the last stage: its own
@@ -328,6 +334,7 @@ def main(kind: str, root: str, out: str) -> None:
             self.stats = nn.Module()
             self.stats.register_buffer("center", torch.linspace(-1, 1, 8))  # a buffer read as an attribute
             self.offset = nn.Parameter(torch.zeros(8))  # the LightningModule's own, used before the body
+            self.temp = nn.Parameter(torch.ones(()))  # its own too, used after the body: trained on the last stage
             self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
             self.head = nn.Linear(8, 1)
             self.norms = torchmetrics.MeanMetric()
@@ -347,7 +354,7 @@ def main(kind: str, root: str, out: str) -> None:
             k = self.keep(x)
             self.kept.append(k.detach().mean())  # only here: one entry per microbatch, of equal sizes here
             h = h + k
-            loss = nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1), y)
+            loss = nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1) * self.temp, y)
             with torch.no_grad():
                 self.log("probe_mean", self.probe(x).mean())  # after the body, without a gradient
             return {"loss": loss, "scale": scale}
@@ -396,7 +403,9 @@ def test_values_of_the_embedding_logged_and_returned_before_the_body_match_ddp(l
     """Regression: from the second step on the last stage logged `h_mean` computed with its own, untrained copy
     of `embed` (0.0249 against DDP's 0.0242 at step 2); losses and weights matched, the logs did not. The same for
     `direct_mean`, computed from a weight read as an attribute. And a frozen weight and a buffer read as
-    attributes (no module called) were released after the first step: the second step stopped on meta tensors."""
+    attributes (no module called) were released after the first step: the second step stopped on meta tensors.
+    And the LightningModule's own `temp`, trained on the last stage, was reset to the first stage's untrained copy
+    before every step, because its own `offset` (used before the body) is refreshed from there."""
     want = lm_runs("reference")[0]["test_stale_copies_ddp"]
     got = lm_runs("world2")[0]["test_stale_copies_pipe"]
     assert want["steps"].shape == (8, 5)

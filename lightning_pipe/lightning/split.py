@@ -304,14 +304,24 @@ class SplitModel:
 
     def fresh_on_last(self, tied: Set[str]) -> Set[str]:
         """The paths of the modules outside the body whose copies on the last stage stay equal to the trained ones
-        (after :meth:`learn_usage`): each of their parameters is trained there or tied (``tied``: canonical names
-        whose gradients are summed over the stages using them)."""
-        fresh = set()
+        (after :meth:`learn_usage`): each of their parameters is in :meth:`trained_on_last`."""
+        kept = self.trained_on_last(tied)
+        return {path for path, m in release.named_outside_body(self.module, self.path)
+                if all((f"{path}.{n}" if path else n) in kept for n, p in m._parameters.items() if p is not None)}
+
+    def trained_on_last(self, tied: Set[str]) -> Set[str]:
+        """The parameters outside the body (by name under the LightningModule) whose copies on the last stage stay
+        equal to the trained ones (after :meth:`learn_usage`): trained there, or tied (``tied``: canonical names
+        whose gradients are summed over the stages using them). The last stage must never overwrite those with
+        the first stage's copies, even where another parameter of the same module is refreshed from there."""
+        kept = set()
         for path, m in release.named_outside_body(self.module, self.path):
-            names = [self.canonical(f"{path}.{n}" if path else n) for n, p in m._parameters.items() if p is not None]
-            if all(n in tied or self.last_rank in self.users.get(n, ()) for n in names):
-                fresh.add(path)
-        return fresh
+            for n, p in m._parameters.items():
+                name = f"{path}.{n}" if path else n
+                canonical = self.canonical(name)
+                if p is not None and (canonical in tied or self.last_rank in self.users.get(canonical, ())):
+                    kept.add(name)
+        return kept
 
     def _caller(self, path: str, called: Optional[List[Set[str]]]) -> int:
         """The rank that uses a module outside the body that got no gradient: the first stage's if it called it

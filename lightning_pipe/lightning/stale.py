@@ -233,6 +233,7 @@ class StaleCopies:
         self.noted: Dict[str, str] = {}  # module path -> the first sink its marked values reached
         self.read: Set[str] = set()  # the modules whose marked values the first step computed with
         self.learned = False
+        self.kept: Set[str] = set()  # parameters the last stage trains itself (learned): never refreshed
         self.stale: List[str] = []  # the candidates the last stage does not train (learned)
         self.synced: List[str] = []  # those refreshed before every training step
         self.version = 0  # optimizer steps so far
@@ -317,7 +318,7 @@ class StaleCopies:
     def _trainable(self, path: str) -> bool:
         return any(p is not None and p.requires_grad for p in self.module.get_submodule(path)._parameters.values())
 
-    def learn(self, noted: Sequence[str], fresh: Set[str]) -> List[str]:
+    def learn(self, noted: Sequence[str], fresh: Set[str], kept: Set[str] = frozenset()) -> List[str]:
         """After the first training step (on every rank, with the last stage's :attr:`noted`): keep the noted
         modules the last stage does not train in sync; watch the others that it does not train.
 
@@ -325,6 +326,10 @@ class StaleCopies:
             noted: the paths the last stage noted.
             fresh: the candidate paths whose copies on the last stage stay equal to the trained ones
                 (:meth:`~lightning_pipe.lightning.split.SplitModel.fresh_on_last`).
+            kept: the parameters (by name under the LightningModule) whose copies on the last stage stay equal to
+                the trained ones (:meth:`~lightning_pipe.lightning.split.SplitModel.trained_on_last`); never
+                refreshed, even in a module that is (a ``temperature`` of the LightningModule used after the body,
+                beside a ``pos_embed`` used before it).
 
         Returns:
             The paths kept in sync (sorted).
@@ -337,6 +342,7 @@ class StaleCopies:
             stale.add("")
             self.synced = sorted(set(self.synced) | {""})
         self.stale = sorted(stale)
+        self.kept = set(kept)
         self.learned = True
         self._watched = self._watched & set(self.stale) - set(self.synced)
         for path in set(self._handles) - self._watched:  # a module with hooks takes nn.Module's slower call path
@@ -362,12 +368,14 @@ class StaleCopies:
         self._shapes, self._zeros = {}, {}
 
     def _state(self, paths: Sequence[str]) -> Dict[str, torch.Tensor]:
-        """What the first stage changes in those modules: trainable parameters, and buffers (running statistics
-        of a normalization before the body, which the last stage's copy would compute from old inputs)."""
+        """What the first stage changes in those modules: trainable parameters the last stage does not train
+        itself, and buffers (running statistics of a normalization before the body, which the last stage's copy
+        would compute from old inputs)."""
         state = {}
         for path in paths:
             m = self.module.get_submodule(path)
-            state.update({f"{path}.{n}": p.detach() for n, p in m._parameters.items() if p is not None and p.requires_grad})
+            state.update({f"{path}.{n}": p.detach() for n, p in m._parameters.items()
+                          if p is not None and p.requires_grad and (f"{path}.{n}" if path else n) not in self.kept})
             if path:  # the LightningModule's own buffers cannot change in a step (SideEffectError)
                 state.update({f"{path}.{n}": b for n, b in m._buffers.items() if b is not None})
         return state

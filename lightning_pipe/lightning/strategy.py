@@ -543,7 +543,8 @@ class PipeStrategy(DDPStrategy):
             rank_zero_info(f"PipeStrategy: parameters used on several stages, kept in sync: {tied}")
         if self._stale is not None:
             tied_names = {name for tie in self._ties.ties for name in tie.names}
-            synced = self._stale.learn(per_stage[split.last_rank][2], split.fresh_on_last(tied_names))
+            synced = self._stale.learn(per_stage[split.last_rank][2], split.fresh_on_last(tied_names),
+                                       split.trained_on_last(tied_names))
             if synced:
                 names = [path or "the LightningModule's own parameters" for path in synced]
                 rank_zero_info(f"PipeStrategy: the last stage uses values of {names} beyond the body's input; its "
