@@ -469,18 +469,20 @@ class Unbalanced(pl.LightningModule):
 
 class MeanTokenLlama(LlamaStyle):
     """LlamaStyle whose step returns ``F.cross_entropy``'s token mean itself, with no ``num_items``; with
-    ``derived``, a value computed from it (``loss + 0``), which PipeStrategy cannot count (it warns).
+    ``derived``, a value computed from it (``loss + 0``), which PipeStrategy cannot count (it warns); with
+    ``reduction="sum"``, the token sum itself (refused under the default ``loss_reduction="mean"``).
     Its validation step logs the mean and returns nothing."""
 
-    def __init__(self, derived: bool = False) -> None:
+    def __init__(self, derived: bool = False, reduction: str = "mean") -> None:
         super().__init__()
-        self.derived = derived
+        self.derived, self.reduction = derived, reduction
 
     def training_step(self, batch, batch_idx):
         tokens, labels = batch
         if batch_idx > 0:  # as LlamaStyle's, which the reference runs
             shift_in_place(labels)
-        loss = F.cross_entropy(self.logits(tokens).reshape(-1, VOCAB), labels.reshape(-1))  # ignore_index=-100
+        loss = F.cross_entropy(self.logits(tokens).reshape(-1, VOCAB), labels.reshape(-1),  # ignore_index=-100
+                               reduction=self.reduction)
         self.log("train_loss", loss)
         return loss + 0 if self.derived else loss
 
@@ -683,7 +685,8 @@ CASES = {
     "llama": (LlamaStyle, "tokens"), "cached": (lambda: LlamaStyle(cached=True), "tokens"),
     "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
-    "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
+    "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"),
+    "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),

@@ -59,6 +59,22 @@ def test_a_sum_reduced_loss_under_loss_reduction_sum_equals_ddp(lm_runs):
     assert_same_training(lm_runs("world2")[0]["sum_p2"], lm_runs("reference")[0]["sum"])
 
 
+def test_a_summed_cross_entropy_under_loss_reduction_mean_is_refused_on_every_rank(tmp_path_factory):
+    """Regression: the step's ``F.cross_entropy(..., reduction="sum")`` under the default
+    ``loss_reduction="mean"`` was weighted by each microbatch's share of the batch, a quarter of one
+    process's loss with 4 microbatches, and trained on without a word."""
+    code, seconds, survivors, output = launch_lm_app(
+        tmp_path_factory, "summed_ce", [dict(name="summed_ce", case="summed_ce", strategy="pipe", devices=2)],
+        expect_failure=True, timeout=120,
+    )
+    assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
+    reasons = stop_reasons(output)
+    assert sorted(reasons) == [0, 1] and all("ConfigurationError" in r for r in reasons.values()), output[-4000:]
+    assert "training_step returned the output of a cross_entropy/nll_loss call with reduction='sum' as its loss, " \
+           "but PipeStrategy(loss_reduction='mean')" in output, output[-4000:]
+    assert "Pass PipeStrategy(loss_reduction='sum')" in output
+
+
 def test_a_token_mean_loss_declared_with_num_items_equals_ddp(lm_runs):
     """The microbatches hold different numbers of tokens; weighted by num_items they add up to DDP's loss."""
     from tests.lm_app import token_data

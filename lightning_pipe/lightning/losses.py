@@ -76,21 +76,29 @@ class MeanTargets:
     function up there when they call it. Code that bound it earlier (``from torch.nn.functional
     import cross_entropy``) is not seen: its loss follows the microbatch-size rule.
 
+    It also notes the reduction of each call whose output is one value, so that a step returning
+    a summed loss under ``loss_reduction="mean"`` (or a mean one under ``"sum"``) is refused rather
+    than scaled by the number of microbatches (:meth:`reduction_of`).
+
     Example:
         >>> targets = MeanTargets()
         >>> with targets.watching():
         ...     loss = F.cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, -100, 1]))
+        ...     total = F.cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, -100, 1]), reduction="sum")
         >>> targets.count_of(loss), targets.count_of(loss * 1), targets.ignored_some()
         (tensor(3), None, True)
+        >>> targets.reduction_of(loss), targets.reduction_of(total), targets.reduction_of(total / 3)
+        ('mean', 'sum', None)
     """
 
     def __init__(self) -> None:
         self._seen: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by the output's data pointer
+        self._reductions: Dict[int, Tuple[torch.Tensor, str]] = {}  # the same, for every call giving one value
         self._wrapped: Dict[Callable, Callable] = {}  # made once: a signature is slow to read
 
     @contextmanager
     def watching(self) -> Iterator[None]:
-        self._seen = {}
+        self._seen, self._reductions = {}, {}
         originals = F.cross_entropy, F.nll_loss
         F.cross_entropy, F.nll_loss = (self._wrapped.get(f) or self._wrapped.setdefault(f, self._wrap(f))
                                        for f in originals)
@@ -110,6 +118,8 @@ class MeanTargets:
                 return out
             a = {**defaults, **dict(zip(names, args)), **kwargs}  # not inspect's bind: 5 times slower
             target, weight = a.get("target"), a["weight"]
+            if a["size_average"] is None and a["reduce"] is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+                self._reductions[out.data_ptr()] = (out.detach(), a["reduction"])
             if (a["reduction"] == "mean" and a["size_average"] is None and a["reduce"] is None
                     and isinstance(out, torch.Tensor) and out.dim() == 0 and isinstance(target, torch.Tensor)
                     and not target.is_floating_point() and not target.is_complex()):
@@ -130,6 +140,12 @@ class MeanTargets:
         same value (a subclass made plain again, a view); the outputs are kept, so their memory is not reused.
         """
         seen = self._seen.get(loss.data_ptr()) if loss.device.type != "meta" else None
+        return seen[1] if seen is not None and seen[0].shape == loss.shape and seen[0].dtype == loss.dtype else None
+
+    def reduction_of(self, loss: torch.Tensor) -> Optional[str]:
+        """``"mean"`` or ``"sum"``: the reduction of the watched call whose output ``loss`` is itself (told by
+        memory, as in :meth:`count_of`); None for any other value."""
+        seen = self._reductions.get(loss.data_ptr()) if loss.device.type != "meta" else None
         return seen[1] if seen is not None and seen[0].shape == loss.shape and seen[0].dtype == loss.dtype else None
 
     def ignored_some(self) -> bool:

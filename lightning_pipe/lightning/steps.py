@@ -154,8 +154,25 @@ class StepRunner:
     def loss(self, i: int, output: Any) -> torch.Tensor:
         """What to backpropagate for microbatch ``i``'s training-step result, and note it."""
         loss = loss_of(output, self.hook)
+        self._refuse_other_reduction(loss)
         self.recorder.mark_loss(loss)
         return self._account().add(i, loss, output, self._counted(loss, output))
+
+    def _refuse_other_reduction(self, loss: torch.Tensor) -> None:
+        """A cross_entropy/nll_loss output returned as it is, reduced otherwise than ``loss_reduction`` says,
+        would be scaled by about the number of microbatches: refuse it (see :meth:`MeanTargets.reduction_of`)."""
+        reduction = self.targets.reduction_of(loss)
+        if reduction is None or reduction == self.loss_reduction:
+            return
+        effect = ("weighs each microbatch's loss by its share of the batch, which would divide your summed loss by "
+                  "about the number of microbatches" if self.loss_reduction == "mean" else
+                  "adds the microbatches' losses, which would multiply your mean loss by about the number of "
+                  "microbatches")
+        raise ConfigurationError(
+            f"{self.hook} returned the output of a cross_entropy/nll_loss call with reduction='{reduction}' as its "
+            f"loss, but PipeStrategy(loss_reduction='{self.loss_reduction}') {effect}. Pass "
+            f"PipeStrategy(loss_reduction='{reduction}'), which gives what one step over the whole batch gives"
+        )
 
     def _counted(self, loss: torch.Tensor, output: Any) -> Optional[torch.Tensor]:
         """The targets ``loss`` averaged over, if it is a cross_entropy/nll_loss output itself (see .losses)."""
@@ -178,6 +195,7 @@ class StepRunner:
         loss = loss if loss is not None and loss.numel() == 1 else None
         self.recorder.mark_loss(loss)
         if loss is not None:
+            self._refuse_other_reduction(loss)
             self._account().add(i, loss, output, self.targets.count_of(loss))
         return output
 
