@@ -244,6 +244,31 @@ def test_a_microbatch_that_averaged_over_nothing_adds_nothing_to_the_logged_mean
     torch.testing.assert_close(merge([torch.tensor(0.5), torch.tensor(nan)], [1.0, 0.0], [4, 3]), torch.tensor(0.5))
 
 
+def test_a_mean_over_a_selection_empty_in_a_microbatch_is_warned_about_and_folds_by_its_size():
+    """Regression (review): `acc[labels != -100].mean()` logged without batch_size over a microbatch of padding
+    only is NaN there, and the size-weighted fold made the batch's value NaN with no word, where one step over
+    the batch logs a number. It warns now, with the fix, which folds it as one step would."""
+    nan = float("nan")
+    correct, counts = [2.0, nan, 1.0], [4, 0, 2]  # accuracy over each microbatch's kept tokens
+
+    def step(batch_size):
+        def run(module, i, size):
+            module.log("acc", torch.tensor(correct[i] / counts[i] if counts[i] else nan),
+                       **({"batch_size": counts[i]} if batch_size else {}))
+            return _loss(i)
+        return run
+
+    with pytest.warns(UserWarning, match=r"self\.log\('acc', \.\.\.\) was NaN in some microbatches of a step.*"
+                                         r"`self\.log\(\.\.\., batch_size=count\)`"):
+        calls = {c["name"]: c for c in _record(Module(), step(batch_size=False))}
+    assert torch.isnan(calls["acc"]["value"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calls = {c["name"]: c for c in _record(Module(), step(batch_size=True))}
+        torch.testing.assert_close(calls["acc"]["value"], torch.tensor((2.0 + 1.0) / 6))  # as over the whole batch
+        _record(Module(), lambda module, i, size: module.log("nan", torch.tensor(nan)) or _loss(i))  # NaN everywhere
+
+
 def _fold_steps(step, steps):
     """Fold the calls of several steps of one recorder (``steps``: each step's microbatch sizes)."""
     recorder = LogRecorder(Module(), "body")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -319,25 +320,51 @@ def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Opti
     folded = {k: v for k, v in calls[-1].items() if k not in ("is_loss", "source", "count")}
     given = [c["batch_size"] for c in calls]
     constant = False
+    by_samples = True  # weighted by the microbatches' sizes, for want of a count
     if given[-1] is not None:
         constant = not counted_before and all(g == given[0] for g in given) \
             and (given[0] == total or len(set(sizes)) > 1 or constant_before)
         if not constant:
             folded["batch_size"] = sum(given)
-            sizes = given
+            sizes, by_samples = given, False
     value = calls[-1]["value"]
     reduce_fx = calls[-1]["reduce_fx"]
     if all(c.get("is_loss") for c in calls):
         reduce_fx = "sum" if loss_weights is None else "mean"
         sizes = sizes if loss_weights is None else [loss_weights[i] for i, _, _ in entries]
+        by_samples = False
     elif given[-1] is None and all("count" in c for c in calls) and _name_of(reduce_fx) in _MEAN:
         sizes = [c["count"] for c in calls]  # a cross_entropy mean: over the targets it counted, as over the batch
+        by_samples = False
     if isinstance(value, tuple) and value and value[0] == "metric":
         forward = _reduce([c["value"][2] for c in calls], sizes, "mean")
         folded["value"] = ("metric", value[1], forward)
     elif isinstance(value, (torch.Tensor, int, float)):
         folded["value"] = _reduce([c["value"] for c in calls], sizes, reduce_fx)
+        if by_samples and len(calls) > 1 and _name_of(reduce_fx) in _MEAN:
+            _warn_if_empty_somewhere(folded["name"], [c["value"] for c in calls], folded["value"])
     return folded, constant
+
+
+def _warn_if_empty_somewhere(name: str, values: List[Any], folded: Any) -> None:
+    """Warn when a size-weighted mean is NaN because some microbatches' values were and others' were not.
+
+    The usual cause is a mean over a selection that was empty in a microbatch (``acc[labels != -100].mean()``
+    over padding only: 0/0), which one step over the whole batch computes over all its samples. The fold cannot
+    tell the selection's size; the user can give it, and a count of 0 then adds nothing (see :func:`_reduce`).
+    """
+    if not bool(torch.as_tensor(folded).isnan().any()):
+        return
+    if all(bool(torch.as_tensor(v).isnan().any()) for v in values):
+        return
+    warnings.warn(
+        f"PipeStrategy: self.log('{name}', ...) was NaN in some microbatches of a step and a number in the others, "
+        "so the batch's value, their mean weighted by microbatch size, is NaN. One step "
+        "over the whole batch computes it over all its samples at once: a mean over a selection that was empty in "
+        "a microbatch (e.g. `acc[labels != -100].mean()` over a microbatch of padding only) is a number there. "
+        "Log it with the selection's size, `self.log(..., batch_size=count)`: the microbatches are then weighted "
+        "by it and an empty one counts for nothing"
+    )
 
 
 def _name_of(reduce_fx: Any) -> str:
