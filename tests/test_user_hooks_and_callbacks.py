@@ -87,6 +87,10 @@ class Model(pl.LightningModule):
         all_one = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None], 1.0)
         self.log_dict({"user_norm": norm, "body_inf_norm": body_inf, "clipped_one_norm": all_one})
 
+    def on_save_checkpoint(self, checkpoint):
+        # what a "save the trainable weights only" hook reads (LoRA-style checkpoints)
+        checkpoint["trainable_seen"] = sorted(n for n, p in self.named_parameters() if p.requires_grad)
+
     def configure_optimizers(self):
         optimizer = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
         # mode="max" on a falling loss: the rate halves after every epoch but the first
@@ -133,9 +137,10 @@ def main(kind: str, root: str, out: str) -> None:
     resumed_trainer, resumed_rows, resumed = _fit(kind, os.path.join(root, "resumed"), resume=checkpoint)
     if trainer.is_global_zero:
         saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        first = torch.load(os.path.join(root, "fit", "epoch=0.ckpt"), map_location="cpu", weights_only=False)
         torch.save(dict(rows=rows, weights=weights, resumed_rows=resumed_rows, resumed=resumed,
-                        checkpoint=dict(state_dict=saved["state_dict"], optimizer_states=saved["optimizer_states"])),
-                   out)
+                        checkpoint=dict(state_dict=saved["state_dict"], optimizer_states=saved["optimizer_states"]),
+                        trainable_seen=[first["trainable_seen"], saved["trainable_seen"]]), out)
 
 
 # -- the tests -------------------------------------------------------------------------------------
@@ -191,6 +196,16 @@ def test_a_checkpoint_saved_after_a_param_group_was_added_saves_and_resumes_as_u
                                    rtol=1e-5, atol=1e-7)
     _assert_rows(pipe["resumed_rows"], ddp["resumed_rows"])
     _assert_weights(pipe["resumed"], ddp["resumed"])
+
+
+def test_on_save_checkpoint_sees_the_whole_model_as_under_ddp(runs):
+    """Regression (review): `self.named_parameters()` in on_save_checkpoint listed this stage's parameters only, so a
+    "keep the trainable weights" filter over the checkpoint dropped the other stages' trained layers from the file
+    and a resume restarted them from their initial values. The body and head frozen in epoch 0, unfrozen after."""
+    pipe, ddp = runs
+    frozen, unfrozen = ddp["trainable_seen"]
+    assert frozen == ["embed.bias", "embed.weight"] and len(unfrozen) == 8
+    assert pipe["trainable_seen"] == ddp["trainable_seen"]
 
 
 # -- refused at setup, on every rank, before any collective ----------------------------------------

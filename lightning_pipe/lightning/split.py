@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Sequence, Set
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.errors import ConfigurationError, PartitionError
@@ -219,6 +220,24 @@ class SplitModel:
         """Put the whole body (``whole``) or this stage's stand-in into the module."""
         for path in self.paths:
             set_submodule(self.module, path, self.body if whole else self.stand_in)
+
+    def show_whole(self, group: Optional[object] = None) -> None:
+        """Install the whole body for the checkpoint hooks, as one process would show it (a collective over
+        ``group``, the pipeline's): ``on_save_checkpoint`` then lists every stage's parameters, those of other
+        stages on the meta device, each marked trainable as its holder's copy is (``requires_grad``, which
+        "save the trainable weights only" hooks read). :meth:`install` puts the stand-in back."""
+        self.install(whole=True)
+        flags: Dict[str, bool] = {}
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            real = {n: p.requires_grad for n, p in self.module.named_parameters() if not p.is_meta}
+            per_rank: List[Optional[Dict[str, bool]]] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(per_rank, real, group=group)
+            for part in per_rank:
+                for name, trainable in part.items():
+                    flags[name] = flags.get(name, False) or trainable
+        for name, p in self.module.named_parameters():
+            if p.is_meta and name in flags:
+                p.requires_grad_(flags[name])
 
     @property
     def installed(self) -> bool:

@@ -178,6 +178,7 @@ class Checkpoints:
         self.pp_group = pp_group
         self.num_stages = num_stages
         self.dp_rank = dp_rank
+        self.before_hooks: Optional[Set[str]] = None  # this rank's state-dict keys the checkpoint hooks were given
         self.layouts: List[List[List[str]]] = []
 
     def _names(self) -> Dict[int, str]:
@@ -236,8 +237,19 @@ class Checkpoints:
         state, optimizers = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         current = checkpoint.pop("current_model_state", None)  # a weight averaging callback's: this rank's part too
         save_sharded(path, state, optimizers, self.layouts, checkpoint if global_zero else None,
-                     aliases=self.split.key_aliases, expected_keys=self.split.key_order, current_state=current,
+                     aliases=self.split.key_aliases, expected_keys=self._kept_by_hooks(state), current_state=current,
                      group=None)
+
+    def _kept_by_hooks(self, state: Mapping[str, Any]) -> List[str]:
+        """The model's keys less those an ``on_save_checkpoint`` hook deleted on some rank (a collective): a "save
+        the trainable weights only" hook leaves the file without them, as one process's file is."""
+        removed = sorted(self.before_hooks - set(state)) if self.before_hooks is not None else []
+        self.before_hooks = None
+        everyone: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, removed)
+        gone = {key for part in everyone for key in part}
+        aliases = self.split.key_aliases
+        return [k for k in self.split.key_order if k not in gone and aliases.get(k, k) not in gone]
 
     def load(self, path: str, optimizers: Sequence[Optimizer], strict: bool, weights_only: Optional[bool]) -> Dict[str, Any]:
         """A checkpoint for this rank: a sharded directory read in part, or a file mapped, not read, whole."""

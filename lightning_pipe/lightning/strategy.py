@@ -199,6 +199,7 @@ class PipeStrategy(DDPStrategy):
         self._pending_grads: Dict[torch.nn.Parameter, Optional[torch.Tensor]] = {}
         self._runner: Optional[StepRunner] = None
         self._train_ended = True  # False from the setup of a fit to its on_train_end
+        self._showing_whole = False  # the checkpoint hooks are being shown the whole body (lightning_module_state_dict)
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
         self._groups_of: Optional[dist.ProcessGroup] = None  # the default group pp_group and dp_group were made in
@@ -743,7 +744,24 @@ class PipeStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         if self.split is None or not self.split.installed:
             return super().lightning_module_state_dict()
+        state = self._module_state()
+        self._checkpoints.before_hooks = set(state)
+        if self.pp_size > 1:
+            # Lightning's dump_checkpoint reads this first, then runs the checkpoint hooks, and save_checkpoint
+            # follows: the hooks see the whole model, as on one process (a "keep the trainable weights" filter
+            # over self.named_parameters() listed this stage's only, and dropped the others' from the file)
+            self.split.show_whole(self.pp_group)
+            self._showing_whole = True
+        return state
+
+    def _module_state(self) -> Dict[str, Any]:
         return self._checkpoints.module_state(gather=not self._sharded)
+
+    def _hide_whole(self) -> None:
+        """The stand-in back after :meth:`lightning_module_state_dict` showed the checkpoint hooks the whole body."""
+        if self._showing_whole:
+            self.split.install(whole=False)
+            self._showing_whole = False
 
     def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
@@ -756,10 +774,11 @@ class PipeStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._refuse_in_step("trainer.save_checkpoint()")
+        self._hide_whole()
         if "current_model_state" in checkpoint and self.split is not None and self.split.installed:
             # a WeightAveraging callback put its averaged copy of this rank's tensors there: the whole one instead
             averaged = averaging.averaged_state(self.lightning_module.trainer.callbacks, self.lightning_module,
-                                                self.lightning_module_state_dict)
+                                                self._module_state)
             if averaged is not None:
                 checkpoint["state_dict"] = averaged
         if not self._sharded or self._checkpoints is None:
@@ -805,6 +824,7 @@ class PipeStrategy(DDPStrategy):
         Lightning's child-process observer may have killed this rank because another one exited.
         """
         _log.error(rank_prefixed_message(f"stopped: {type(exception).__name__}: {exception}", self.global_rank))
+        self._hide_whole()  # a checkpoint hook failed, say
         super().on_exception(exception)
         self._failed = True  # no gathering in teardown: peers may be gone
         note_failure()
