@@ -129,6 +129,36 @@ def test_mean_targets_counts_what_a_mean_cross_entropy_or_nll_loss_averaged_over
     torch.testing.assert_close((first + second) / account.normalizer(), (3 * by_module + 9 * weighted) / 12)
 
 
+def test_a_loss_written_in_place_after_the_call_is_not_taken_for_its_output():
+    """Regression (review): `loss = F.cross_entropy(..., reduction="sum"); loss /= n` keeps the output's memory, and
+    was taken for a summed loss (refused under loss_reduction="mean", where it is right) or for a counted mean."""
+    from lightning_pipe.lightning.losses import MeanTargets
+
+    targets, logits, labels = MeanTargets(), torch.randn(4, 3), torch.tensor([0, 1, 2, -100])
+    with targets.watching():
+        mean = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        mean /= 3
+        shifted = torch.nn.functional.cross_entropy(logits, labels)
+        shifted += 1.0
+        plain = torch.nn.functional.cross_entropy(logits, labels)
+        each = torch.nn.functional.cross_entropy(logits[0], labels[0], reduction="none")  # 0-dim, not a reduction
+        with torch.inference_mode():  # no version counter: taken as it is
+            evaluated = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+    assert targets.reduction_of(mean) is None and targets.count_of(mean) is None
+    assert targets.reduction_of(shifted) is None and targets.count_of(shifted) is None
+    assert targets.reduction_of(plain) == "mean" and targets.count_of(plain) == 3
+    assert targets.reduction_of(each) is None and targets.reduction_of(evaluated) == "sum"
+
+
+def test_a_checkpoint_holding_values_no_process_has_is_refused():
+    from lightning_pipe.lightning.strategy import _refuse_meta_tensors
+
+    _refuse_meta_tensors({"a": torch.zeros(2), "n": 3})
+    with pytest.raises(ConfigurationError, match=r"tensors without values \(on the meta device\): \['b'\].*Filter "
+                                                 r"checkpoint\['state_dict'\] instead"):
+        _refuse_meta_tensors({"a": torch.zeros(2), "b": torch.empty(2, device="meta")})
+
+
 def test_step_results_merge_like_one_step_over_the_batch():
     parts = [{"preds": torch.zeros(2), "acc": torch.tensor(1.0), "num_items": torch.tensor(3), "ids": ["a", "b"]},
              {"preds": torch.ones(1), "acc": torch.tensor(0.0), "num_items": torch.tensor(1), "ids": ["c"]}]

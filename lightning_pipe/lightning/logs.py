@@ -265,12 +265,16 @@ def _detach(value: Any) -> Any:
     return value
 
 
-def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any) -> Any:
+def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any, by_samples: Optional[str] = None) -> Any:
+    """Fold ``values`` weighted by ``sizes``; ``by_samples``: the logged name, where ``sizes`` are the
+    microbatches' sizes (a mean NaN in some of them only is warned about)."""
     if values[0] is None:
         return None
     # fold on the CPU in float64: the values may live on a GPU, the weights are plain numbers
     stacked = torch.stack([torch.as_tensor(v).detach().to("cpu", torch.float64) for v in values])
     name = _name_of(reduce_fx)
+    if by_samples is not None and name in _MEAN and len(values) > 1:
+        _warn_if_empty_somewhere(by_samples, stacked)
     if name in _MEAN and 0 in sizes and any(sizes):  # a microbatch that averaged over nothing (its mean 0/0, NaN)
         stacked = stacked[torch.tensor([size != 0 for size in sizes])]  # adds nothing to the batch's mean
         sizes = [size for size in sizes if size != 0]
@@ -340,30 +344,29 @@ def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Opti
         forward = _reduce([c["value"][2] for c in calls], sizes, "mean")
         folded["value"] = ("metric", value[1], forward)
     elif isinstance(value, (torch.Tensor, int, float)):
-        folded["value"] = _reduce([c["value"] for c in calls], sizes, reduce_fx)
-        if by_samples and len(calls) > 1 and _name_of(reduce_fx) in _MEAN:
-            _warn_if_empty_somewhere(folded["name"], [c["value"] for c in calls], folded["value"])
+        folded["value"] = _reduce([c["value"] for c in calls], sizes, reduce_fx,
+                                  folded["name"] if by_samples else None)
     return folded, constant
 
 
-def _warn_if_empty_somewhere(name: str, values: List[Any], folded: Any) -> None:
-    """Warn when a size-weighted mean is NaN because some microbatches' values were and others' were not.
+def _warn_if_empty_somewhere(name: str, stacked: torch.Tensor) -> None:
+    """Warn when a size-weighted mean is NaN because some microbatches' values were and others' were not
+    (``stacked``: the values, one row per microbatch, on the CPU).
 
     The usual cause is a mean over a selection that was empty in a microbatch (``acc[labels != -100].mean()``
     over padding only: 0/0), which one step over the whole batch computes over all its samples. The fold cannot
     tell the selection's size; the user can give it, and a count of 0 then adds nothing (see :func:`_reduce`).
     """
-    if not bool(torch.as_tensor(folded).isnan().any()):
-        return
-    if all(bool(torch.as_tensor(v).isnan().any()) for v in values):
+    nan = stacked.isnan().reshape(len(stacked), -1).any(1)
+    if not nan.any() or nan.all():
         return
     warnings.warn(
         f"PipeStrategy: self.log('{name}', ...) was NaN in some microbatches of a step and a number in the others, "
-        "so the batch's value, their mean weighted by microbatch size, is NaN. One step "
-        "over the whole batch computes it over all its samples at once: a mean over a selection that was empty in "
-        "a microbatch (e.g. `acc[labels != -100].mean()` over a microbatch of padding only) is a number there. "
-        "Log it with the selection's size, `self.log(..., batch_size=count)`: the microbatches are then weighted "
-        "by it and an empty one counts for nothing"
+        "so the batch's value, their mean weighted by microbatch size, is NaN. If it is a mean over a selection "
+        "that was empty in a microbatch (e.g. `acc[labels != -100].mean()` over a microbatch of padding only), one "
+        "step over the whole batch computes it over all its samples at once and logs a number: log it with the "
+        "selection's size, `self.log(..., batch_size=count)`, so that the microbatches are weighted by it and an "
+        "empty one counts for nothing"
     )
 
 

@@ -92,8 +92,9 @@ class MeanTargets:
     """
 
     def __init__(self) -> None:
-        self._seen: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by the output's data pointer
-        self._reductions: Dict[int, Tuple[torch.Tensor, str]] = {}  # the same, for every call giving one value
+        # by the output's data pointer: (the output, its count, its version then, the targets kept)
+        self._seen: Dict[int, Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
+        self._reductions: Dict[int, Tuple[torch.Tensor, str, int]] = {}  # the same, for every call giving one value
         self._wrapped: Dict[Callable, Callable] = {}  # made once: a signature is slow to read
 
     @contextmanager
@@ -118,8 +119,9 @@ class MeanTargets:
                 return out
             a = {**defaults, **dict(zip(names, args)), **kwargs}  # not inspect's bind: 5 times slower
             target, weight = a.get("target"), a["weight"]
-            if a["size_average"] is None and a["reduce"] is None and isinstance(out, torch.Tensor) and out.dim() == 0:
-                self._reductions[out.data_ptr()] = (out.detach(), a["reduction"])
+            if a["size_average"] is None and a["reduce"] is None and a["reduction"] in ("mean", "sum") \
+                    and isinstance(out, torch.Tensor) and out.dim() == 0:
+                self._reductions[out.data_ptr()] = (out.detach(), a["reduction"], _version_of(out))
             if (a["reduction"] == "mean" and a["size_average"] is None and a["reduce"] is None
                     and isinstance(out, torch.Tensor) and out.dim() == 0 and isinstance(target, torch.Tensor)
                     and not target.is_floating_point() and not target.is_complex()):
@@ -127,7 +129,7 @@ class MeanTargets:
                     kept = target != a["ignore_index"]
                     count = kept.sum() if weight is None else weight[target[kept]].sum()
                 # kept (without its graph) so that its memory is not reused while it is looked up by address
-                self._seen[out.data_ptr()] = (out.detach(), count, kept)
+                self._seen[out.data_ptr()] = (out.detach(), count, _version_of(out), kept)
             return out
 
         counted.__wrapped__ = function  # type: ignore[attr-defined]
@@ -139,18 +141,31 @@ class MeanTargets:
         Told by memory, not by object: the step's result may come back as another tensor object over the
         same value (a subclass made plain again, a view); the outputs are kept, so their memory is not reused.
         """
-        seen = self._seen.get(loss.data_ptr()) if loss.device.type != "meta" else None
-        return seen[1] if seen is not None and seen[0].shape == loss.shape and seen[0].dtype == loss.dtype else None
+        return _noted(self._seen, loss)
 
     def reduction_of(self, loss: torch.Tensor) -> Optional[str]:
         """``"mean"`` or ``"sum"``: the reduction of the watched call whose output ``loss`` is itself (told by
         memory, as in :meth:`count_of`); None for any other value."""
-        seen = self._reductions.get(loss.data_ptr()) if loss.device.type != "meta" else None
-        return seen[1] if seen is not None and seen[0].shape == loss.shape and seen[0].dtype == loss.dtype else None
+        return _noted(self._reductions, loss)
 
     def ignored_some(self) -> bool:
         """Whether a watched call of the step left out some targets (``ignore_index``)."""
-        return any(not bool(kept.all()) for _, _, kept in self._seen.values())
+        return any(not bool(entry[3].all()) for entry in self._seen.values())
+
+
+def _noted(table: Dict[int, tuple], loss: torch.Tensor) -> Any:
+    """What ``table`` noted about the watched call whose output ``loss`` is, unchanged since (``(output, what,
+    version)``, by the output's data pointer); None for any other value, or one written in place since
+    (``loss /= n`` after a summed cross entropy: the same memory, another value)."""
+    seen = table.get(loss.data_ptr()) if loss.device.type != "meta" else None
+    if seen is None or seen[0].shape != loss.shape or seen[0].dtype != loss.dtype or _version_of(seen[0]) != seen[2]:
+        return None
+    return seen[1]
+
+
+def _version_of(tensor: torch.Tensor) -> Optional[int]:
+    """Its version counter (shared with its ``detach()``); None under inference mode, which keeps none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 class LossAccount:

@@ -77,9 +77,9 @@ class StepRunner:
         their batch, see :meth:`run`)."""
         return self._training_steps == 1 and self.hook == "training_step"
 
-    def _account(self) -> LossAccount:
+    def _account(self, reduction: Optional[str] = None) -> LossAccount:
         if self.account is None:
-            self.account = LossAccount(self.pipeline.last_sizes, self.loss_reduction)
+            self.account = LossAccount(self.pipeline.last_sizes, reduction or self.loss_reduction)
         return self.account
 
     def run(self, i: int, batch: Any, mode: str, replacement: Optional[tuple] = None,
@@ -195,8 +195,8 @@ class StepRunner:
         loss = loss if loss is not None and loss.numel() == 1 else None
         self.recorder.mark_loss(loss)
         if loss is not None:
-            self._refuse_other_reduction(loss)
-            self._account().add(i, loss, output, self.targets.count_of(loss))
+            # no backward here: a cross_entropy/nll_loss output folds as it was reduced, whatever loss_reduction says
+            self._account(self.targets.reduction_of(loss)).add(i, loss, output, self.targets.count_of(loss))
         return output
 
     def criterion(self, *outputs_and_batch: Any) -> torch.Tensor:

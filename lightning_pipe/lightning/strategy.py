@@ -439,6 +439,7 @@ class PipeStrategy(DDPStrategy):
 
     # -- training ------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._hide_whole()  # a checkpoint that did not reach save_checkpoint (an exception its saver caught)
         module, first, last = self.lightning_module, self.is_first_stage, self.is_last_stage
         self._runner.begin("training_step", args[1:], self._pipeline)
         executor = self._pipeline.executor
@@ -657,6 +658,7 @@ class PipeStrategy(DDPStrategy):
 
     # -- evaluation ----------------------------------------------------------------------------
     def _eval_step(self, hook: str, context: Any, args: tuple) -> Any:
+        self._hide_whole()
         if self.pp_size == 1:
             with context:
                 return getattr(self.lightning_module, hook)(*args)
@@ -742,6 +744,8 @@ class PipeStrategy(DDPStrategy):
         return True  # after the split: each rank loads only its own tensors
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
+        self._refuse_in_step("trainer.save_checkpoint()")  # before any collective: the other stages are in the step
+        self._hide_whole()  # a checkpoint started before this one that did not reach save_checkpoint
         if self.split is None or not self.split.installed:
             return super().lightning_module_state_dict()
         state = self._module_state()
@@ -773,8 +777,9 @@ class PipeStrategy(DDPStrategy):
                                                  gather=not self._sharded)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        self._refuse_in_step("trainer.save_checkpoint()")
         self._hide_whole()
+        self._refuse_in_step("trainer.save_checkpoint()")
+        _refuse_meta_tensors(checkpoint.get("state_dict", {}))
         if "current_model_state" in checkpoint and self.split is not None and self.split.installed:
             # a WeightAveraging callback put its averaged copy of this rank's tensors there: the whole one instead
             averaged = averaging.averaged_state(self.lightning_module.trainer.callbacks, self.lightning_module,
@@ -889,3 +894,16 @@ class PipeStrategy(DDPStrategy):
 
 
 PipeStrategy.register_strategies(StrategyRegistry)
+
+
+def _refuse_meta_tensors(state: Dict[str, Any]) -> None:
+    """A checkpoint hook that put other stages' parameters (meta tensors here) into the file would write no values."""
+    meta = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if meta:
+        raise ConfigurationError(
+            f"the checkpoint's state_dict holds tensors without values (on the meta device): {meta[:5]}"
+            f"{' ...' if len(meta) > 5 else ''}. An on_save_checkpoint hook put them there from the module (e.g. "
+            "{n: p for n, p in self.named_parameters()}): under PipeStrategy each process holds only its stage's "
+            "values, and checkpoint['state_dict'] already holds the whole model's (or, sharded, this process's part). "
+            "Filter checkpoint['state_dict'] instead: {k: v for k, v in checkpoint['state_dict'].items() if k in keep}"
+        )
