@@ -70,6 +70,19 @@ class _OneStep(Recorder):
         super().__init__(keep=1)
 
 
+def _refuse_meta_tensors(state: Dict[str, Any]) -> None:
+    """A checkpoint hook that put other stages' parameters (meta tensors here) into the file would write no values."""
+    meta = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if meta:
+        raise ConfigurationError(
+            f"the checkpoint's state_dict holds tensors without values (on the meta device): {meta[:5]}"
+            f"{' ...' if len(meta) > 5 else ''}. An on_save_checkpoint hook put them there from the module (e.g. "
+            "{n: p for n, p in self.named_parameters()}): under PipeStrategy each process holds only its stage's "
+            "values, and checkpoint['state_dict'] already holds the whole model's (or, sharded, this process's part). "
+            "Filter checkpoint['state_dict'] instead: {k: v for k, v in checkpoint['state_dict'].items() if k in keep}"
+        )
+
+
 class PipeStrategy(DDPStrategy):
     """Pipeline parallelism (GPipe, 1F1B, ZB-H1, interleaved 1F1B, ZB-V) with data parallelism, for Lightning.
 
@@ -894,16 +907,3 @@ class PipeStrategy(DDPStrategy):
 
 
 PipeStrategy.register_strategies(StrategyRegistry)
-
-
-def _refuse_meta_tensors(state: Dict[str, Any]) -> None:
-    """A checkpoint hook that put other stages' parameters (meta tensors here) into the file would write no values."""
-    meta = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_meta]
-    if meta:
-        raise ConfigurationError(
-            f"the checkpoint's state_dict holds tensors without values (on the meta device): {meta[:5]}"
-            f"{' ...' if len(meta) > 5 else ''}. An on_save_checkpoint hook put them there from the module (e.g. "
-            "{n: p for n, p in self.named_parameters()}): under PipeStrategy each process holds only its stage's "
-            "values, and checkpoint['state_dict'] already holds the whole model's (or, sharded, this process's part). "
-            "Filter checkpoint['state_dict'] instead: {k: v for k, v in checkpoint['state_dict'].items() if k in keep}"
-        )
