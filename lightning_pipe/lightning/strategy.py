@@ -792,13 +792,13 @@ class PipeStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._hide_whole()
         self._refuse_in_step("trainer.save_checkpoint()")
-        _refuse_meta_tensors(checkpoint.get("state_dict", {}))
         if "current_model_state" in checkpoint and self.split is not None and self.split.installed:
             # a WeightAveraging callback put its averaged copy of this rank's tensors there: the whole one instead
             averaged = averaging.averaged_state(self.lightning_module.trainer.callbacks, self.lightning_module,
                                                 self._module_state)
             if averaged is not None:
                 checkpoint["state_dict"] = averaged
+        _refuse_meta_tensors(checkpoint.get("state_dict", {}))
         if not self._sharded or self._checkpoints is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self._checkpoints.save_sharded(checkpoint, filepath, self.is_global_zero)
