@@ -11,6 +11,9 @@ embedding before the body every step, updates a metric with it and returns it.
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -25,6 +28,9 @@ def _model():
     model.embed, model.pos, model.head = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
     model.pos.requires_grad_(False)
     return model
+
+
+HEAD = {"head.weight", "head.bias"}  # what the last stage trains: its copy of `head` stays fresh
 
 
 def _copies(model):
@@ -43,7 +49,7 @@ def test_outputs_are_marked_only_while_watched():
         assert isinstance(model.head(torch.ones(2, 3)), Stale)  # until the first step tells what the last stage trains
     assert type(h * 2) is torch.Tensor  # kept past the step: stops spreading
     assert copies.noted == {}
-    copies.learn([], fresh={"head"})
+    copies.learn([], kept=HEAD)
     with copies.watching():
         assert type(model.head(torch.ones(2, 3))) is torch.Tensor and isinstance(model.embed(x), Stale)
 
@@ -108,10 +114,10 @@ def test_parameters_read_as_attributes_are_marked_and_keep_their_gradients():
     assert copies.noted == {"embed": "returned by training_step", "pos": "returned by training_step"}
     loss.backward()
     torch.testing.assert_close(weight.grad, 2 * (torch.ones(2, 3) @ weight.T + model.pos.bias).T @ torch.ones(2, 3))
-    copies.learn(sorted(copies.noted), fresh={"head"})
+    copies.learn(sorted(copies.noted), kept=HEAD)
     model.extra = nn.Linear(3, 3)
     copies = _copies(model)
-    copies.learn([], fresh={"head"})
+    copies.learn([], kept=HEAD)
     with copies.watching():
         with pytest.raises(StaleValueError, match=r"`self\.extra` and it was read into Python"):
             model.extra.weight.sum().item()
@@ -159,7 +165,7 @@ def test_after_the_first_step_noted_copies_are_synced_and_a_late_use_of_another_
     copies = _copies(model)
     with copies.watching():
         model.embed(torch.ones(2, 3)).sum().item()
-    assert copies.learn(sorted(copies.noted), fresh={"head"}) == ["embed"]
+    assert copies.learn(sorted(copies.noted), kept=HEAD) == ["embed"]
     with copies.watching():
         assert type(model.embed(torch.ones(2, 3))) is torch.Tensor  # synced: no longer followed
         model.pos(torch.ones(2, 3)).sum().item()  # frozen: its copy cannot be out of date
@@ -174,7 +180,7 @@ def test_modules_left_unwatched_lose_their_hooks():
     model = _model()
     model.custom = nn.Bilinear(3, 3, 3)  # watched, and not of a kind known to be pure: keeps its marking hook
     copies = _copies(model)
-    copies.learn(["pos"], fresh={"head"})
+    copies.learn(["pos"], kept=HEAD)
     assert set(copies._handles) == {"custom"} and not model.pos._forward_hooks and not model.head._forward_hooks
     assert not model.embed._forward_hooks  # watched, but it skips its computation and marks its output itself
 
@@ -188,7 +194,7 @@ def test_after_the_first_step_a_watched_pure_module_skips_its_computation_on_the
     model = _model()
     model.custom = nn.Bilinear(3, 3, 3)  # not of a kind known to be pure: never skipped
     copies = _copies(model)
-    copies.learn([], fresh={"head"})
+    copies.learn([], kept=HEAD)
     assert set(copies._skipped) == {id(model.embed), id(model.pos)}
     x = torch.randn(4, 3)
     teacher = copy.deepcopy(model)
@@ -213,7 +219,7 @@ def test_a_skipping_module_hands_back_the_same_zeros_until_a_step_writes_into_th
     the step's matrix products); after a step wrote into them, the next call gets new zeros, not what was written."""
     model = _model()
     copies = _copies(model)
-    copies.learn([], fresh={"head"})
+    copies.learn([], kept=HEAD)
     x = torch.randn(4, 3)
     with copies.watching():
         model.embed(x)  # the one real call for this shape
@@ -238,7 +244,7 @@ def test_a_skipping_module_frozen_or_under_inference_mode_hands_back_zeros_a_ste
     model = _model()
     model.embed.requires_grad_(False)
     copies = _copies(model)
-    copies.learn([], fresh={"head"})
+    copies.learn([], kept=HEAD)
     x, pos = torch.randn(4, 3), nn.Parameter(torch.ones(3))
     with copies.watching():
         for _ in range(3):
@@ -255,44 +261,56 @@ def test_a_skipping_module_frozen_or_under_inference_mode_hands_back_zeros_a_ste
 
 
 class _Transport:
-    """Two ranks of a pipeline in one process: what send_bytes sends, recv_bytes returns."""
+    """A rank of a two-rank pipeline run in a thread of this process: what send_bytes sends, recv_bytes returns."""
 
-    def __init__(self, pp_rank, queue):
-        self.pp_rank, self.queue, self.batched = pp_rank, queue, False
+    def __init__(self, pp_rank, queues):
+        self.pp_rank, self.queues, self.batched = pp_rank, queues, False
 
     def send_bytes(self, data, peers):
-        assert peers == [1]
-        self.queue.append(data)
+        assert peers == [1 - self.pp_rank]
+        self.queues[self.pp_rank].put(data)
 
     def recv_bytes(self, peer, what):
-        assert peer == 0
-        return self.queue.pop(0)
+        assert peer == 1 - self.pp_rank
+        return self.queues[peer].get(timeout=10)
 
 
 def test_refresh_sends_what_the_step_needs_once_per_optimizer_step():
-    """Training steps: the synced modules' trainable parameters and buffers; evaluation steps: every stale module's."""
-    first, last, queue = _model(), _model(), []
+    """Training steps: the synced modules' trainable parameters and buffers; evaluation steps: every stale module's.
+    The other way, the parameters only the last stage trains that the first stage reads."""
+    first, last = _model(), _model()
+    queues = [queue.Queue(), queue.Queue()]  # what rank 0 sent, what rank 1 sent
     first.extra, last.extra = nn.Linear(3, 3), nn.Linear(3, 3)
     first.embed.register_buffer("running", torch.ones(3))
     last.embed.register_buffer("running", torch.zeros(3))
     first.offset, last.offset = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))  # the module's own
     first.temp, last.temp = nn.Parameter(torch.ones(())), nn.Parameter(torch.zeros(()))  # its own, used after the body
+    first.scale, last.scale = nn.Parameter(torch.ones(())), nn.Parameter(torch.zeros(()))  # its own, after the body
     with torch.no_grad():
         for p in first.parameters():
             p.add_(1.0)  # the first stage trained its copies
+        last.head.weight.add_(2.0)  # and the last stage its own
     ranks = [StaleCopies(first, "body", watch=False), StaleCopies(last, "body", watch=True)]
 
     def refresh(training):
-        for rank, copies in enumerate(ranks):
-            copies.refresh(_Transport(rank, queue), 0, 1, training)
+        threads = [threading.Thread(target=copies.refresh, args=(_Transport(rank, queues), 0, 1, training))
+                   for rank, copies in enumerate(ranks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        assert queues[0].empty() and queues[1].empty()
 
     for copies in ranks:
-        # the last stage trains `temp` and `embed.bias` itself (a parameter read after the body)
-        kept = {"head.weight", "head.bias", "temp", "embed.bias"}
-        assert copies.learn(["embed", "pos", "head"], fresh={"head"}, kept=kept) == ["", "embed", "pos"]
+        # the last stage trains `temp`, `scale` and `embed.bias` itself (a parameter read after the body)
+        kept = {"head.weight", "head.bias", "temp", "scale", "embed.bias"}
+        # the first stage's code reads `temp` in training steps (`embed(x) * temp.detach()`), may read any of its
+        # own and the head's in evaluation steps
+        assert copies.learn(["embed", "pos", "head"], kept=kept, behind=["temp"],
+                            behind_in_evaluation=["temp", "scale", "head.weight", "head.bias"]) == ["", "embed", "pos"]
         assert copies.stale == ["", "embed", "extra", "pos"]
     refresh(training=True)  # no optimizer step yet: nothing sent
-    assert queue == [] and not torch.equal(last.embed.weight, first.embed.weight)
+    assert not torch.equal(last.embed.weight, first.embed.weight) and first.temp.item() == 2.0
     for copies in ranks:
         copies.stepped()
     refresh(training=True)
@@ -302,15 +320,19 @@ def test_refresh_sends_what_the_step_needs_once_per_optimizer_step():
     # trained on the last stage: never overwritten, though their modules are refreshed (regression: the trained
     # `temp` was reset to the first stage's untrained copy before every step)
     assert last.temp.item() == 0.0 and torch.equal(last.embed.bias, _model().embed.bias)
+    # and sent the other way when the first stage reads it (regression: the first stage computed with its own copy)
+    assert first.temp.item() == 0.0 and first.scale.item() == 2.0
     assert not torch.equal(last.pos.weight, first.pos.weight)  # frozen: not sent
     assert not torch.equal(last.extra.weight, first.extra.weight)  # not used beyond the body in training
-    assert not torch.equal(last.head.weight, first.head.weight)  # trained on the last stage: its own
+    assert not torch.equal(last.head.weight, first.head.weight)  # trained on the last stage, not read on the first
     refresh(training=False)
     torch.testing.assert_close(last.extra.weight, first.extra.weight)  # evaluation: every stale copy
+    torch.testing.assert_close(first.head.weight, last.head.weight)  # and what the first stage may read
+    assert first.scale.item() == 0.0
     with torch.no_grad():
         first.extra.weight.add_(1.0)
     refresh(training=False)  # no optimizer step since: nothing sent
-    assert queue == [] and not torch.equal(last.extra.weight, first.extra.weight)
+    assert not torch.equal(last.extra.weight, first.extra.weight)
 
 
 # -- against DDP (in the shared launches) -----------------------------------------------------------
@@ -354,6 +376,9 @@ def main(kind: str, root: str, out: str) -> None:
             k = self.keep(x)
             self.kept.append(k.detach().mean())  # only here: one entry per microbatch, of equal sizes here
             h = h + k
+            with torch.no_grad():  # before the body, values of what the last stage trains: read on the first stage
+                gate = self.temp.detach() + self.head(h)
+            h = h * gate
             loss = nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1) * self.temp, y)
             with torch.no_grad():
                 self.log("probe_mean", self.probe(x).mean())  # after the body, without a gradient
@@ -366,6 +391,7 @@ def main(kind: str, root: str, out: str) -> None:
         def validation_step(self, batch, batch_idx):
             x, y = batch
             h = self.embed(x) + self.offset + self.shift(x) + self.probe(x) + self.keep(x)
+            h = h * (self.temp + self.head(h))
             self.log("val_h_mean", h.mean())  # `shift` logged in evaluation only
             self.log("val_loss", nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1), y))
 
@@ -405,7 +431,9 @@ def test_values_of_the_embedding_logged_and_returned_before_the_body_match_ddp(l
     `direct_mean`, computed from a weight read as an attribute. And a frozen weight and a buffer read as
     attributes (no module called) were released after the first step: the second step stopped on meta tensors.
     And the LightningModule's own `temp`, trained on the last stage, was reset to the first stage's untrained copy
-    before every step, because its own `offset` (used before the body) is refreshed from there."""
+    before every step, because its own `offset` (used before the body) is refreshed from there. And the other way:
+    the first stage read its own, never-trained copies of `temp` and `head` before the body, without a gradient
+    (0.11 in the loss by step 8)."""
     want = lm_runs("reference")[0]["test_stale_copies_ddp"]
     got = lm_runs("world2")[0]["test_stale_copies_pipe"]
     assert want["steps"].shape == (8, 5)

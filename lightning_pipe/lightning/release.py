@@ -124,14 +124,14 @@ def refuse_calls(module: nn.Module, path: str, where: str) -> object:
 
 
 class _Reads(TorchFunctionMode):
-    """Notes the owners of the tensors a torch function takes (``owners``: tensor id -> module id).
+    """Notes the owners of the tensors a torch function takes (``owners``: tensor id -> the ids to note).
 
     A parameter or buffer read as an attribute (``self.pos.weight[:n]``, ``x @ self.proj.weight``)
     passes through no module call; only a torch function mode sees it. Arguments are looked at one
     list deep, as torch functions take tensors (``torch.cat([h, self.cls.weight])``).
     """
 
-    def __init__(self, owners: Dict[int, int], used: Set[int]) -> None:
+    def __init__(self, owners: Dict[int, Tuple[int, ...]], used: Set[int]) -> None:
         super().__init__()
         self.owners, self.used = owners, used
         self.paused = False
@@ -142,7 +142,7 @@ class _Reads(TorchFunctionMode):
             for leaf in arg if isinstance(arg, (list, tuple)) else (arg,):
                 owner = self.owners.get(id(leaf))
                 if owner is not None:
-                    self.used.add(owner)
+                    self.used.update(owner)
         return func(*args, **kwargs)
 
 
@@ -152,13 +152,16 @@ _READS: Optional[_Reads] = None  # set while uses_recorded records: the mode rea
 @contextmanager
 def uses_recorded(module: nn.Module, body_path: str) -> Iterator[Set[int]]:
     """Collect the ids of the modules called inside the block, and of the modules outside the body whose own
-    parameters or buffers the user's code inside :func:`reads_recorded` reads (the module itself is not called).
+    parameters or buffers the user's code inside :func:`reads_recorded` reads (the module itself is not called);
+    for the LightningModule's own parameters and buffers, also the ids of those read.
 
     Reads count only there: the machinery around the user's step reads every parameter (snapshots, gradients).
     """
     global _READS
     used: Set[int] = set()
-    owners = {id(t): id(m) for _, m in named_outside_body(module, body_path)
+    # the LightningModule's own tensors are noted one by one too (by id: never a module's while both live), since
+    # it holds unrelated ones (a `pos_embed` read before the body, a `temperature` after it)
+    owners = {id(t): (id(m), id(t)) if m is module else (id(m),) for _, m in named_outside_body(module, body_path)
               for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None}
     handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: used.add(id(m)))
     outer, _READS = _READS, _Reads(owners, used)

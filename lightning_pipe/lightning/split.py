@@ -288,6 +288,11 @@ class SplitModel:
         """The paths of the modules outside the body whose forward ran (ids in ``called``; for :meth:`learn_usage`)."""
         return [path for path, m in release.named_outside_body(self.module, self.path) if id(m) in called]
 
+    def own_read(self, called: Set[int]) -> List[str]:
+        """The names of the LightningModule's own parameters read in the first step (ids in ``called``, as
+        :func:`.release.uses_recorded` notes them)."""
+        return [n for n, p in self.module._parameters.items() if p is not None and id(p) in called]
+
     def learn_usage(self, used_per_stage: Sequence[Sequence[str]],
                     called_per_stage: Optional[Sequence[Sequence[str]]] = None) -> List[Tie]:
         """Owners of the parameters outside the body: the ranks that computed their gradients, or else the rank that
@@ -321,13 +326,6 @@ class SplitModel:
         tied = {name for tie in self.ties for name in tie.names}
         return [Tie((name,), tuple(where)) for name, where in sorted(stages.items()) if len(where) > 1 and name not in tied]
 
-    def fresh_on_last(self, tied: Set[str]) -> Set[str]:
-        """The paths of the modules outside the body whose copies on the last stage stay equal to the trained ones
-        (after :meth:`learn_usage`): each of their parameters is in :meth:`trained_on_last`."""
-        kept = self.trained_on_last(tied)
-        return {path for path, m in release.named_outside_body(self.module, self.path)
-                if all((f"{path}.{n}" if path else n) in kept for n, p in m._parameters.items() if p is not None)}
-
     def trained_on_last(self, tied: Set[str]) -> Set[str]:
         """The parameters outside the body (by name under the LightningModule) whose copies on the last stage stay
         equal to the trained ones (after :meth:`learn_usage`): trained there, or tied (``tied``: canonical names
@@ -341,6 +339,28 @@ class SplitModel:
                 if p is not None and (canonical in tied or self.last_rank in self.users.get(canonical, ())):
                     kept.add(name)
         return kept
+
+    def behind_on_first(self, tied: Set[str], called: Sequence[str], own: Optional[Sequence[str]] = None) -> List[str]:
+        """The parameters outside the body (by name under the LightningModule) that only the last stage trains and
+        that the first stage's run of the code before the body reads (after :meth:`learn_usage`): its copies of
+        those fall behind the trained ones (``h = self.embed(x) * self.temperature.detach()``).
+
+        Args:
+            tied: canonical names whose gradients are summed over the stages using them (kept equal already).
+            called: the paths of the modules the first stage called or read (:meth:`called_names`).
+            own: the LightningModule's own parameters the first stage read (:meth:`own_read`); None: all of them
+                (an evaluation step, whose reads nothing records).
+        """
+        behind = []
+        for path, m in release.named_outside_body(self.module, self.path):
+            for n, p in m._parameters.items():
+                name = f"{path}.{n}" if path else n
+                canonical = self.canonical(name)
+                if p is None or canonical in tied or self.users.get(canonical) != {self.last_rank}:
+                    continue
+                if (path in called) if path else (own is None or name in own):
+                    behind.append(name)
+        return behind
 
     def _caller(self, path: str, called: Optional[List[Set[str]]]) -> int:
         """The rank that uses a module outside the body that got no gradient: the first stage's if it called it

@@ -29,6 +29,14 @@ a watched ``nn.Linear``, ``nn.Embedding``, ``nn.Conv*d`` or ``nn.LayerNorm`` (pu
 input and parameters) without hooks of its own skips the computation there: zeros of the output's
 shape, after one real call per input shape (:func:`_skipping_forward`).
 
+The other way round, the first stage's code before the body may read a parameter that only the last
+stage trains (``h = self.embed(x) * self.temperature.detach()``, or a head called under
+``torch.no_grad()`` to gate the input): the first stage computes no gradient for it, so its copy
+would never change. Those the first training step read there (recorded by
+:func:`.release.uses_recorded`) are sent from the last stage to the first before every training
+step that follows an optimizer step; before evaluation, also the LightningModule's own parameters
+the last stage trains, which any code may read as attributes.
+
 A write of a marked value into an unmarked tensor (``buffer.copy_(h)``, ``x[:, :n] = h``) counts
 as a sink, since the tensor written may be a metric's state; in the first step that only costs
 the refresh.
@@ -234,6 +242,8 @@ class StaleCopies:
         self.read: Set[str] = set()  # the modules whose marked values the first step computed with
         self.learned = False
         self.kept: Set[str] = set()  # parameters the last stage trains itself (learned): never refreshed
+        self.behind: List[str] = []  # parameters only the last stage trains, which the first stage reads (learned)
+        self.behind_in_evaluation: List[str] = []
         self.stale: List[str] = []  # the candidates the last stage does not train (learned)
         self.synced: List[str] = []  # those refreshed before every training step
         self.version = 0  # optimizer steps so far
@@ -318,31 +328,36 @@ class StaleCopies:
     def _trainable(self, path: str) -> bool:
         return any(p is not None and p.requires_grad for p in self.module.get_submodule(path)._parameters.values())
 
-    def learn(self, noted: Sequence[str], fresh: Set[str], kept: Set[str] = frozenset()) -> List[str]:
+    def learn(self, noted: Sequence[str], kept: Set[str] = frozenset(), behind: Sequence[str] = (),
+              behind_in_evaluation: Sequence[str] = ()) -> List[str]:
         """After the first training step (on every rank, with the last stage's :attr:`noted`): keep the noted
         modules the last stage does not train in sync; watch the others that it does not train.
 
         Args:
             noted: the paths the last stage noted.
-            fresh: the candidate paths whose copies on the last stage stay equal to the trained ones
-                (:meth:`~lightning_pipe.lightning.split.SplitModel.fresh_on_last`).
             kept: the parameters (by name under the LightningModule) whose copies on the last stage stay equal to
                 the trained ones (:meth:`~lightning_pipe.lightning.split.SplitModel.trained_on_last`); never
                 refreshed, even in a module that is (a ``temperature`` of the LightningModule used after the body,
-                beside a ``pos_embed`` used before it).
+                beside a ``pos_embed`` used before it). A module all of whose parameters are kept is not stale.
+            behind: the other way round, the parameters only the last stage trains that the first stage's training
+                steps read (:meth:`~lightning_pipe.lightning.split.SplitModel.behind_on_first`): sent from the last
+                stage to the first before every training step that follows an optimizer step.
+            behind_in_evaluation: those its evaluation steps may read, sent before the first evaluation step after
+                an optimizer step.
 
         Returns:
             The paths kept in sync (sorted).
         """
-        stale = set(self.candidates) - fresh
+        self.kept = set(kept)
+        self.behind, self.behind_in_evaluation = list(behind), list(behind_in_evaluation)
+        stale = {path for path in self.candidates if not self._all_kept(path)}
         self.synced = sorted(set(noted) & stale)
-        if "" not in fresh and any(p is not None for p in self.module._parameters.values()):
+        if not self._all_kept(""):
             # parameters of the LightningModule itself (a ViT's pos_embed) are read as attributes, through no call
             # a hook could follow: kept in sync whenever the first stage trains one
             stale.add("")
             self.synced = sorted(set(self.synced) | {""})
         self.stale = sorted(stale)
-        self.kept = set(kept)
         self.learned = True
         self._watched = self._watched & set(self.stale) - set(self.synced)
         for path in set(self._handles) - self._watched:  # a module with hooks takes nn.Module's slower call path
@@ -354,6 +369,11 @@ class StaleCopies:
                 self._skipped[id(m)] = (m, frozenset({path}))
                 self._handles.pop(path).remove()  # it marks its output itself; a module with hooks is slower to call
         return self.synced
+
+    def _all_kept(self, path: str) -> bool:
+        """Whether the last stage trains every parameter of the module at ``path`` itself (:attr:`kept`)."""
+        return all((f"{path}.{n}" if path else n) in self.kept
+                   for n, p in self.module.get_submodule(path)._parameters.items() if p is not None)
 
     def stepped(self) -> None:
         """An optimizer stepped: the first stage's copies changed."""
@@ -374,38 +394,50 @@ class StaleCopies:
         state = {}
         for path in paths:
             m = self.module.get_submodule(path)
-            state.update({f"{path}.{n}": p.detach() for n, p in m._parameters.items()
-                          if p is not None and p.requires_grad and (f"{path}.{n}" if path else n) not in self.kept})
+            names = {n: f"{path}.{n}" if path else n for n in (*m._parameters, *m._buffers)}
+            state.update({names[n]: p.detach() for n, p in m._parameters.items()
+                          if p is not None and p.requires_grad and names[n] not in self.kept})
             if path:  # the LightningModule's own buffers cannot change in a step (SideEffectError)
-                state.update({f"{path}.{n}": b for n, b in m._buffers.items() if b is not None})
+                state.update({names[n]: b for n, b in m._buffers.items() if b is not None})
         return state
 
     def refresh(self, transport: Any, first: int, last: int, training: bool) -> None:
-        """Before a step: send the copies the step needs from pipeline rank ``first`` to ``last`` if an optimizer
-        stepped since they were last sent (every rank of the pipeline calls this; under NCCL it is a broadcast).
+        """Before a step: send the copies the step needs from pipeline rank ``first`` to ``last`` and, for the
+        parameters only the last stage trains that the first stage reads, from ``last`` to ``first``, if an optimizer
+        stepped since they were last sent (every rank of the pipeline calls this; under NCCL each is a broadcast).
 
         A training step needs the synced modules; an evaluation step, which follows nothing, every stale one.
         """
-        paths, at = (self.synced, self._synced_at) if training else (self.stale, self._all_at)
-        if not paths or at == self.version:
+        at = self._synced_at if training else self._all_at
+        if at == self.version:
             return
         if training:
             self._synced_at = self.version
         else:  # not the synced ones' version: a callback may swap weights in for evaluation (an averaged model)
             self._all_at = self.version
-        what = f"the first stage's copies of {paths}, which the last stage's code before the body uses"
+        paths = self.synced if training else self.stale
+        if paths:
+            self._send(transport, first, last, lambda: self._state(paths),
+                       f"the first stage's copies of {paths}, which the last stage's code before the body uses")
+        behind = self.behind if training else self.behind_in_evaluation
+        if behind:
+            self._send(transport, last, first, lambda: {name: self.module.get_parameter(name).detach() for name in behind},
+                       f"the last stage's copies of {behind}, which it trains and the first stage's code reads")
+
+    def _send(self, transport: Any, source: int, to: int, state: Any, what: str) -> None:
+        """Copy ``state()`` (names under the LightningModule -> tensors) of pipeline rank ``source`` into rank ``to``'s."""
         if transport.batched:
-            state = broadcast_object(self._state(paths) if transport.pp_rank == first else None, transport.ranks[first],
-                                     transport.group, transport.device)
-        elif transport.pp_rank == first:
-            transport.send_bytes(dumps(self._state(paths)), [last])
+            got = broadcast_object(state() if transport.pp_rank == source else None, transport.ranks[source],
+                                   transport.group, transport.device)
+        elif transport.pp_rank == source:
+            transport.send_bytes(dumps(state()), [to])
             return
-        elif transport.pp_rank == last:
-            state = pickle.loads(transport.recv_bytes(first, what))
+        elif transport.pp_rank == to:
+            got = pickle.loads(transport.recv_bytes(source, what))
         else:
             return
-        if transport.pp_rank == last:
+        if transport.pp_rank == to:
             with torch.no_grad():
-                for name, value in state.items():
+                for name, value in got.items():
                     path, _, attr = name.rpartition(".")
                     getattr(self.module.get_submodule(path), attr).copy_(value)

@@ -550,21 +550,26 @@ class PipeStrategy(DDPStrategy):
         noted = sorted(self._stale.noted) if self._stale is not None else []
         if self._stale is not None:  # its parameters are marked aliases there: the reads release.uses_recorded misses
             self._called |= {id(module.get_submodule(path)) for path in self._stale.read}
-        per_stage = self._gather_per_stage((used, split.called_names(self._called), noted))
-        shared = split.learn_usage([u for u, _, _ in per_stage], [c for _, c, _ in per_stage])
+        per_stage = self._gather_per_stage((used, split.called_names(self._called), noted, split.own_read(self._called)))
+        shared = split.learn_usage([u for u, *_ in per_stage], [c for _, c, *_ in per_stage])
         self._ties = TiedGradients(split.ties + shared, module, self.stage_index, self.pp_group)
         tied = sorted({tie.names[0] for tie in self._ties.ties})
         if tied:
             rank_zero_info(f"PipeStrategy: parameters used on several stages, kept in sync: {tied}")
         if self._stale is not None:
             tied_names = {name for tie in self._ties.ties for name in tie.names}
-            synced = self._stale.learn(per_stage[split.last_rank][2], split.fresh_on_last(tied_names),
-                                       split.trained_on_last(tied_names))
+            _, called_first, _, own_first = per_stage[split.first_rank]
+            behind = split.behind_on_first(tied_names, called_first, own_first)
+            synced = self._stale.learn(per_stage[split.last_rank][2], split.trained_on_last(tied_names), behind,
+                                       split.behind_on_first(tied_names, called_first))
             if synced:
                 names = [path or "the LightningModule's own parameters" for path in synced]
                 rank_zero_info(f"PipeStrategy: the last stage uses values of {names} beyond the body's input; its "
                                "copies there are refreshed from the first stage every step")
-        trained, called, _ = per_stage[self.stage_index]  # by any replica of this stage: kept on every replica alike
+            if behind:
+                rank_zero_info(f"PipeStrategy: the first stage reads {behind}, which the last stage trains; its copies "
+                               "there are refreshed from the last stage every step")
+        trained, called, *_ = per_stage[self.stage_index]  # by any replica of this stage: kept on every replica alike
         split.release_unused(self._called | split.modules_used(trained, called), self._bare_optimizers())
         averaging.follow_releases(module.trainer.callbacks, module)
 
