@@ -118,18 +118,19 @@ class MeanTargets:
             if torch.compiler.is_compiling():  # traced by torch.compile: no tensor to count yet, and nothing to see
                 return out
             a = {**defaults, **dict(zip(names, args)), **kwargs}  # not inspect's bind: 5 times slower
-            target, weight = a.get("target"), a["weight"]
-            if a["size_average"] is None and a["reduce"] is None and a["reduction"] in ("mean", "sum") \
-                    and isinstance(out, torch.Tensor) and out.dim() == 0:
-                self._reductions[out.data_ptr()] = (out.detach(), a["reduction"], _version_of(out))
-            if (a["reduction"] == "mean" and a["size_average"] is None and a["reduce"] is None
-                    and isinstance(out, torch.Tensor) and out.dim() == 0 and isinstance(target, torch.Tensor)
-                    and not target.is_floating_point() and not target.is_complex()):
+            target, weight, reduction = a.get("target"), a["weight"], a["reduction"]
+            if a["size_average"] is not None or a["reduce"] is not None or reduction not in ("mean", "sum") \
+                    or not isinstance(out, torch.Tensor) or out.dim() != 0:
+                return out
+            # kept (without its graph) so that its memory is not reused while it is looked up by address
+            noted, version = out.detach(), _version_of(out)
+            self._reductions[out.data_ptr()] = (noted, reduction, version)
+            if reduction == "mean" and isinstance(target, torch.Tensor) and not target.is_floating_point() \
+                    and not target.is_complex():
                 with torch.no_grad():
                     kept = target != a["ignore_index"]
                     count = kept.sum() if weight is None else weight[target[kept]].sum()
-                # kept (without its graph) so that its memory is not reused while it is looked up by address
-                self._seen[out.data_ptr()] = (out.detach(), count, _version_of(out), kept)
+                self._seen[out.data_ptr()] = (noted, count, version, kept)
             return out
 
         counted.__wrapped__ = function  # type: ignore[attr-defined]
