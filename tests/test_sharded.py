@@ -326,16 +326,20 @@ def test_current_weights_beside_averaged_ones_are_sharded_read_back_and_consolid
 def _kept_by_hooks(rank, world_size):
     from types import SimpleNamespace
 
-    from lightning_pipe.lightning.state import Checkpoints
+    from lightning_pipe.lightning.state import Checkpoints, HookState
 
-    given = [{"a", "b"}, {"c", "d"}][rank]  # this rank's keys, as the checkpoint hooks got them
-    left = [{"a"}, {"c"}][rank]  # after a hook deleted the frozen ones
     split = SimpleNamespace(key_order=["a", "b", "c", "d", "d_alias"], key_aliases={"d_alias": "d"})
-    checkpoints = SimpleNamespace(before_hooks=given, split=split)
-    return Checkpoints._kept_by_hooks(checkpoints, {k: None for k in left}), checkpoints.before_hooks
+    given = HookState({k: None for k in [["a", "b"], ["c", "d"]][rank]}, split.key_order)  # this rank's keys
+    checkpoints = SimpleNamespace(given=given, before_hooks=set(given), split=split)
+    for name in ("b", "d"):  # a hook deleting the frozen ones by name, on every rank (as under DDP)
+        del given[name]
+    with pytest.raises(KeyError):
+        del given["e"]  # not a key of the model: as in a dict
+    return Checkpoints._kept_by_hooks(checkpoints, given), checkpoints.given, sorted(given)
 
 
 def test_a_sharded_save_expects_the_keys_no_checkpoint_hook_deleted_on_any_rank():
     """Regression: a "keep the trainable weights" on_save_checkpoint made the sharded save refuse the checkpoint
-    (no rank saves `b`, `d`). The keys deleted on any rank, and their aliases, are left out on every rank."""
-    assert distributed.run(_kept_by_hooks, 2) == [(["a", "c"], None)] * 2
+    (no rank saves `b`, `d`). The keys deleted on any rank, and their aliases, are left out on every rank. And
+    deleting a key of the model that another rank holds raised KeyError."""
+    assert distributed.run(_kept_by_hooks, 2) == [(["a", "c"], None, ["a"]), (["a", "c"], None, ["c"])]

@@ -90,6 +90,9 @@ class Model(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint):
         # what a "save the trainable weights only" hook reads (LoRA-style checkpoints)
         checkpoint["trainable_seen"] = sorted(n for n, p in self.named_parameters() if p.requires_grad)
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                del checkpoint["state_dict"][name]  # by name: every DDP process holds every key
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
@@ -140,7 +143,8 @@ def main(kind: str, root: str, out: str) -> None:
         first = torch.load(os.path.join(root, "fit", "epoch=0.ckpt"), map_location="cpu", weights_only=False)
         torch.save(dict(rows=rows, weights=weights, resumed_rows=resumed_rows, resumed=resumed,
                         checkpoint=dict(state_dict=saved["state_dict"], optimizer_states=saved["optimizer_states"]),
-                        trainable_seen=[first["trainable_seen"], saved["trainable_seen"]]), out)
+                        trainable_seen=[first["trainable_seen"], saved["trainable_seen"]],
+                        saved_keys=[sorted(first["state_dict"]), sorted(saved["state_dict"])]), out)
 
 
 # -- the tests -------------------------------------------------------------------------------------
@@ -206,6 +210,10 @@ def test_on_save_checkpoint_sees_the_whole_model_as_under_ddp(runs):
     frozen, unfrozen = ddp["trainable_seen"]
     assert frozen == ["embed.bias", "embed.weight"] and len(unfrozen) == 8
     assert pipe["trainable_seen"] == ddp["trainable_seen"]
+    # and a hook deleting the frozen ones by name leaves the file DDP writes (regression: KeyError on the
+    # processes that do not hold them)
+    assert "head.weight" not in ddp["saved_keys"][0] and "head.weight" in ddp["saved_keys"][1]
+    assert pipe["saved_keys"] == ddp["saved_keys"]
 
 
 # -- refused at setup, on every rank, before any collective ----------------------------------------

@@ -33,6 +33,34 @@ def _cpu(value: Any) -> Any:
     return value
 
 
+class HookState(OrderedDict):
+    """The model's state dict as the checkpoint hooks get it (see :meth:`Checkpoints.for_hooks`).
+
+    A process holds part of it only (all of it on global rank 0 for a whole checkpoint, its part for a
+    sharded one), where every DDP process holds every key: deleting a key of the model that this process
+    does not hold (``del checkpoint["state_dict"][name]`` over ``self.named_parameters()``, the "keep the
+    trainable weights" hook) is noted in :attr:`deleted` instead of raising ``KeyError``. Any other key
+    deleted raises as in a dict.
+
+    Example:
+        >>> state = HookState({"head.weight": 1}, model_keys=["body.0.weight", "head.weight"])
+        >>> del state["body.0.weight"]
+        >>> dict(state), state.deleted
+        ({'head.weight': 1}, {'body.0.weight'})
+    """
+
+    def __init__(self, items: Mapping[str, Any], model_keys: Sequence[str]) -> None:
+        super().__init__(items)
+        self.model_keys = frozenset(model_keys)
+        self.deleted: Set[str] = set()
+
+    def __delitem__(self, key: str) -> None:
+        if key in self or key not in self.model_keys:
+            super().__delitem__(key)
+        else:
+            self.deleted.add(key)
+
+
 def parameter_names(module: nn.Module, canonical: Callable[[str], str] = lambda name: name) -> Dict[int, str]:
     """``id(parameter) -> canonical name`` (the first name of a parameter that is registered twice)."""
     names: Dict[int, str] = {}
@@ -178,7 +206,8 @@ class Checkpoints:
         self.pp_group = pp_group
         self.num_stages = num_stages
         self.dp_rank = dp_rank
-        self.before_hooks: Optional[Set[str]] = None  # this rank's state-dict keys the checkpoint hooks were given
+        self.given: Optional[HookState] = None  # the state dict the checkpoint hooks were given (for_hooks)
+        self.before_hooks: Set[str] = set()  # its keys then
         self.layouts: List[List[List[str]]] = []
 
     def _names(self) -> Dict[int, str]:
@@ -240,11 +269,17 @@ class Checkpoints:
                      aliases=self.split.key_aliases, expected_keys=self._kept_by_hooks(state), current_state=current,
                      group=None)
 
+    def for_hooks(self, gather: bool) -> HookState:
+        """:meth:`module_state`, as the checkpoint hooks get it (:class:`HookState`)."""
+        self.given = HookState(self.module_state(gather), self.split.key_order)
+        self.before_hooks = set(self.given)
+        return self.given
+
     def _kept_by_hooks(self, state: Mapping[str, Any]) -> List[str]:
         """The model's keys less those an ``on_save_checkpoint`` hook deleted on some rank (a collective): a "save
         the trainable weights only" hook leaves the file without them, as one process's file is."""
-        removed = sorted(self.before_hooks - set(state)) if self.before_hooks is not None else []
-        self.before_hooks = None
+        removed = sorted(self.before_hooks - set(state) | self.given.deleted) if self.given is not None else []
+        self.given, self.before_hooks = None, set()
         everyone: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, removed)
         gone = {key for part in everyone for key in part}

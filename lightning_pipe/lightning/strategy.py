@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
@@ -52,7 +53,7 @@ from lightning_pipe.lightning.objects import post_share, share_object
 from lightning_pipe.lightning.schedules import check_schedule, ideal
 from lightning_pipe.lightning.split import SplitModel, trainable_placeholder
 from lightning_pipe.lightning.stale import StaleCopies
-from lightning_pipe.lightning.state import Checkpoints
+from lightning_pipe.lightning.state import Checkpoints, HookState
 from lightning_pipe.lightning.steps import StepRunner
 from lightning_pipe.microbatch import written_since
 from lightning_pipe.pipeline import Pipeline
@@ -766,8 +767,7 @@ class PipeStrategy(DDPStrategy):
         self._hide_whole()  # a checkpoint started before this one that did not reach save_checkpoint
         if self.split is None or not self.split.installed:
             return super().lightning_module_state_dict()
-        state = self._module_state()
-        self._checkpoints.before_hooks = set(state)
+        state = self._checkpoints.for_hooks(gather=not self._sharded)
         if self.pp_size > 1:
             # Lightning's dump_checkpoint reads this first, then runs the checkpoint hooks, and save_checkpoint
             # follows: the hooks see the whole model, as on one process (a "keep the trainable weights" filter
@@ -797,6 +797,8 @@ class PipeStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._hide_whole()
         self._refuse_in_step("trainer.save_checkpoint()")
+        if isinstance(checkpoint.get("state_dict"), HookState):  # a file that loads without lightning_pipe
+            checkpoint["state_dict"] = OrderedDict(checkpoint["state_dict"])
         if "current_model_state" in checkpoint and self.split is not None and self.split.installed:
             # a WeightAveraging callback put its averaged copy of this rank's tensors there: the whole one instead
             averaged = averaging.averaged_state(self.lightning_module.trainer.callbacks, self.lightning_module,
