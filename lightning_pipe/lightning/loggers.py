@@ -13,15 +13,35 @@ naming what was used and where to move it. It wraps the trainer's loggers while 
 runs the user's step, on the pipeline of replica 0 when its last stage is not global rank 0.
 Reading the logger (``save_dir``, ``log_dir``) does not warn, and neither does a use before the
 body call, which the first stage (global rank 0) runs too.
+
+The same holds for any code after the body that runs on global rank 0 only (``if
+self.trainer.is_global_zero:``, ``if self.global_rank == 0:``, ``self.print``): while
+:func:`watched` is on, PipeStrategy's ``global_rank`` and ``local_rank`` call :func:`rank_read`,
+which warns once when the user's code read them there (Lightning's own reads, which go through
+other functions of its own, do not warn). ``@rank_zero_only`` functions read a number set at
+setup, which nothing can watch.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
-_warned = {"done": False}
+import lightning.fabric
+import lightning.pytorch
+import lightning_utilities
+import torch
+
+_warned = {"done": False, "rank": False}
+_watching: Optional[tuple] = None  # (hook, rank, after_body) while watched() is on
+# the properties that lead from the user's code to the strategy's rank, and Lightning's `print` (rank 0 only)
+_RANK_GETTERS = frozenset({"global_rank", "local_rank", "is_global_zero", "print"})
+_LIBRARIES = tuple(os.path.dirname(path) + os.sep for path in (
+    lightning.pytorch.__file__, lightning.fabric.__file__, lightning_utilities.__file__, torch.__file__,
+    os.path.dirname(os.path.abspath(__file__))))  # lightning_pipe's own folder
 
 
 class _Watched:
@@ -59,10 +79,34 @@ class _Watched:
 
 @contextmanager
 def watched(trainer: Any, hook: str, rank: int, after_body: Callable[[], bool]) -> Iterator[None]:
-    """While the user's step runs on the last stage: ``trainer.loggers`` warn on a use that writes after the body."""
-    loggers = trainer._loggers
+    """While the user's step runs on the last stage: ``trainer.loggers`` warn on a use that writes after the body,
+    and so does the user's code reading the process's rank there (:func:`rank_read`)."""
+    global _watching
+    loggers, outer = trainer._loggers, _watching
     trainer._loggers = [_Watched(logger, hook, rank, after_body) for logger in loggers]
+    _watching = (hook, rank, after_body)
     try:
         yield
     finally:
-        trainer._loggers = loggers
+        trainer._loggers, _watching = loggers, outer
+
+
+def rank_read() -> None:
+    """Called by PipeStrategy's ``global_rank`` and ``local_rank``: warn once if the user's code read it after the
+    body call while :func:`watched` is on (its caller, through Lightning's rank properties only, is not library code)."""
+    if _watching is None or _warned["rank"]:
+        return
+    hook, rank, after_body = _watching
+    frame, what = sys._getframe(2), "global_rank"  # above the strategy's property
+    while frame is not None and frame.f_code.co_name in _RANK_GETTERS and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, what = frame.f_back, frame.f_code.co_name
+    if frame is None or frame.f_code.co_filename.startswith(_LIBRARIES) or not after_body():
+        return
+    _warned["rank"] = True
+    warnings.warn(
+        f"{hook} read `{what}` after the body call. Under PipeStrategy that code runs on the last stage's process "
+        f"(global rank {rank}), not on global rank 0, so what you run on rank 0 only there does not run at all. Do "
+        "it in a hook that runs on every rank (on_train_batch_end / on_validation_batch_end get the step's merged "
+        "outputs), or before the body call, which global rank 0 runs",
+        stacklevel=3,
+    )

@@ -43,7 +43,7 @@ from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.faults import end_launched_ranks, end_process_groups_at_exit, note_failure, report_job_error
 from lightning_pipe.init import building_on_meta
-from lightning_pipe.lightning import averaging, batches, hooks, logs, profile, release, scaling, tracing
+from lightning_pipe.lightning import averaging, batches, hooks, loggers, logs, profile, release, scaling, tracing
 from lightning_pipe.lightning.body import present_whole_body
 from lightning_pipe.lightning.effects import BufferWatch, StepEffects
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
@@ -222,6 +222,16 @@ class PipeStrategy(DDPStrategy):
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.num_processes
+
+    @property
+    def global_rank(self) -> int:
+        loggers.rank_read()  # code for rank 0 only after the body, on the last stage: a warning (see .loggers)
+        return super().global_rank
+
+    @property
+    def local_rank(self) -> int:
+        loggers.rank_read()
+        return super().local_rank
 
     @property
     def pp_size(self) -> int:
