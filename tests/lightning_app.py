@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torchmetrics import MeanAbsoluteError
 
@@ -181,6 +181,21 @@ def _record_exit(root: str) -> None:
         f.write(str(dist.is_initialized()))
 
 
+class Writer(BasePredictionWriter):
+    """Writes each batch's predictions and the epoch's into files named by global rank, as the docs' example does."""
+
+    def __init__(self, folder):
+        super().__init__("batch_and_epoch")
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        torch.save(prediction, os.path.join(self.folder, f"batch_{trainer.global_rank}_{batch_idx}.pt"))
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        torch.save((predictions, batch_indices), os.path.join(self.folder, f"epoch_{trainer.global_rank}.pt"))
+
+
 def fit_and_save(args) -> None:
     import atexit
 
@@ -196,7 +211,7 @@ def fit_and_save(args) -> None:
         accumulate_grad_batches=2, gradient_clip_val=0.5, gradient_clip_algorithm=args.clip_algorithm,
         logger=[CSVLogger(args.root, name="logs", version=0), TensorBoardLogger(args.root, name="tb", version=0)],
         log_every_n_steps=1, precision=args.precision,
-        callbacks=[checkpoint, EarlyStopping(monitor="val_loss", patience=5)],
+        callbacks=[checkpoint, EarlyStopping(monitor="val_loss", patience=5), Writer(os.path.join(args.root, "written"))],
         enable_progress_bar=False, enable_model_summary=args.model_summary, default_root_dir=args.root,
     )
     train, val = loaders()

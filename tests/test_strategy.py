@@ -124,6 +124,12 @@ def assert_same_run(result, expected):
         assert [step for step, _ in result["tensorboard"][tag]] == [step for step, _ in points], tag
         torch.testing.assert_close([v for _, v in result["tensorboard"][tag]], [v for _, v in points], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(result["predictions"], expected["predictions"])
+    # a BasePredictionWriter's files, named by global rank (regression: every stage's process wrote each prediction)
+    written, want_written = (sorted(os.listdir(run["root"] / "written")) for run in (result, expected))
+    assert written == want_written and "epoch_0.pt" in written
+    for name in written:
+        torch.testing.assert_close(torch.load(result["root"] / "written" / name, weights_only=False),
+                                   torch.load(expected["root"] / "written" / name, weights_only=False))
     assert os.path.basename(result["best_model_path"]) == os.path.basename(expected["best_model_path"])
     assert result["global_step"] == expected["global_step"]
 

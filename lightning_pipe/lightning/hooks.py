@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad as _clip_grad
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import BaseFinetuning, BasePredictionWriter
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_pipe import gradients
@@ -65,6 +65,36 @@ class StepState(Callback):
 
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.strategy.share_step_state()
+
+
+_WRITES = ("write_on_batch_end", "write_on_epoch_end")
+
+
+def _write_nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def quiet_prediction_writers(callbacks: List[Callback]) -> List[Callback]:
+    """On a process other than its pipeline's first: every ``BasePredictionWriter`` writes nothing (until
+    :func:`restore_prediction_writers`), and the list of those quieted.
+
+    Every process of a pipeline gets the same predictions, where each DDP process gets its own shard's: a writer
+    naming its files by global rank wrote each prediction once per stage. The first stage's processes have global
+    ranks ``0 .. dp_size - 1`` (``stage_index = global_rank // dp_size``), the ranks of DDP's processes on the
+    same shards, so theirs write the files DDP writes. Only the two methods a writer implements are silenced (per instance), not its
+    other hooks.
+    """
+    quiet = [c for c in callbacks if isinstance(c, BasePredictionWriter)]
+    for callback in quiet:
+        for name in _WRITES:
+            setattr(callback, name, _write_nothing)
+    return quiet
+
+
+def restore_prediction_writers(quiet: List[Callback]) -> None:
+    for callback in quiet:
+        for name in _WRITES:
+            callback.__dict__.pop(name, None)
 
 
 def overrides(obj: Any, hook: str) -> bool:

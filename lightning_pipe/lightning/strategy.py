@@ -214,6 +214,7 @@ class PipeStrategy(DDPStrategy):
         self._runner: Optional[StepRunner] = None
         self._train_ended = True  # False from the setup of a fit to its on_train_end
         self._showing_whole = False  # the checkpoint hooks are being shown the whole body (lightning_module_state_dict)
+        self._quiet_writers: List[Any] = []  # the prediction writers that write nothing on this process (predict)
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
         self._groups_of: Optional[dist.ProcessGroup] = None  # the default group pp_group and dp_group were made in
@@ -708,6 +709,16 @@ class PipeStrategy(DDPStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("test_step", self.precision_plugin.test_step_context(), args)
 
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        if self.pp_size > 1 and self.stage_index != 0:  # one writer per pipeline: see hooks.quiet_prediction_writers
+            self._quiet_writers = hooks.quiet_prediction_writers(self.lightning_module.trainer.callbacks)
+
+    def on_predict_end(self) -> None:
+        hooks.restore_prediction_writers(self._quiet_writers)
+        self._quiet_writers = []
+        super().on_predict_end()
+
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args)
 
@@ -860,6 +871,8 @@ class PipeStrategy(DDPStrategy):
         """
         _log.error(rank_prefixed_message(f"stopped: {type(exception).__name__}: {exception}", self.global_rank))
         self._hide_whole()  # a checkpoint hook failed, say
+        hooks.restore_prediction_writers(self._quiet_writers)
+        self._quiet_writers = []
         super().on_exception(exception)
         self._failed = True  # no gathering in teardown: peers may be gone
         note_failure()
