@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from lightning_pipe import ConfigurationError  # noqa: E402
+from lightning_pipe.lightning import release  # noqa: E402
 from lightning_pipe.lightning.layer_list import CallChannel  # noqa: E402
 from lightning_pipe.lightning.losses import loss_of  # noqa: E402
 from lightning_pipe.lightning.split import SplitModel  # noqa: E402
@@ -69,6 +70,12 @@ def test_a_released_module_refuses_to_run_with_a_named_error_and_an_owned_one_is
     with pytest.raises(ConfigurationError, match=r"self\.head \(Linear\) was called on pipeline rank 0 .*released"):
         net.head(torch.zeros(1, 8))
     net.embed(torch.zeros(1, 4))  # used here: runs
+    # torch's error for a released weight read as an attribute (`x * self.head.weight.sum()`), named (review)
+    read = RuntimeError("Tensor on device meta is not on the expected device cpu!")
+    with pytest.raises(ConfigurationError, match=r"validation_step computed with a tensor on the meta device .*"
+                                                 r"released the weights of \['self\.head', 'self\.aux'\]"):
+        release.explain_meta_error(read, net, "body", "validation_step")
+    release.explain_meta_error(RuntimeError("shapes differ"), net, "body", "validation_step")  # another: left alone
 
     last = Net()
     split = _split(1, last)
@@ -116,6 +123,37 @@ def test_a_gradient_on_a_stage_the_first_step_did_not_learn_is_refused():
     net.embed.requires_grad_(True)
     with pytest.raises(ConfigurationError, match=r"`embed\.(weight|bias)` .* got a gradient on pipeline rank 1"):
         net.embed(torch.ones(2, 4)).sum().backward()
+
+
+def test_the_lightning_modules_own_frozen_parameters_belong_to_the_stage_that_read_each_and_are_watched():
+    """Regression (review): a frozen `temp` used after the body belonged to the first stage because it read
+    `pos` (before the body), another parameter of the same LightningModule; unfrozen later, the last stage
+    trained it, and before every step it was reset to the first stage's copy, silently. Its own reads decide
+    now; and a gradient on a stage that does not own it is refused, as for a module's (no step calls the
+    LightningModule, whose forward pre-hook watched for the unfreezing)."""
+    def net_with_own():
+        net = Net()
+        net.pos, net.temp = nn.Parameter(torch.zeros(8)), nn.Parameter(torch.ones(()), requires_grad=False)
+        return net
+
+    split = _split(0, net_with_own())
+    split.learn_usage([["pos"], []], [[""], ["", "head"]], [["pos"], ["pos", "temp"]])
+    assert split.owner_of("pos") == 0 and split.owner_of("temp") == 1
+    assert "temp" in split.trained_on_last(set())  # never overwritten on the last stage
+    split.learn_usage([["pos"], []], [[""], ["", "head"]], [["pos", "temp"], ["pos", "temp"]])
+    assert split.owner_of("temp") == 0  # read before the body (the last stage's rerun of that code is discarded)
+    net = net_with_own()
+    last = _split(1, net)
+    last.learn_usage([["pos"], []], [[""], ["", "head"]], [["pos", "temp"], ["pos", "temp"]])
+    last.release_unused({id(net.head)}, [])
+    assert [name for name, _ in last.pending_own] == ["temp"]
+    last.hook_unfrozen()  # still frozen: still pending
+    assert [name for name, _ in last.pending_own] == ["temp"]
+    net.temp.requires_grad_(True)
+    last.hook_unfrozen()
+    assert last.pending_own == []
+    with pytest.raises(ConfigurationError, match=r"`temp` .* got a gradient on pipeline rank 1"):
+        (net.temp * 2).backward()
 
 
 def test_a_training_loss_that_does_not_require_grad_is_refused():

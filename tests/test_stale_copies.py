@@ -357,6 +357,7 @@ def main(kind: str, root: str, out: str) -> None:
             self.stats.register_buffer("center", torch.linspace(-1, 1, 8))  # a buffer read as an attribute
             self.offset = nn.Parameter(torch.zeros(8))  # the LightningModule's own, used before the body
             self.temp = nn.Parameter(torch.ones(()))  # its own too, used after the body: trained on the last stage
+            self.scale = nn.Parameter(torch.ones(()), requires_grad=False)  # after the body, unfrozen in epoch 1
             self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
             self.head = nn.Linear(8, 1)
             self.norms = torchmetrics.MeanMetric()
@@ -379,10 +380,13 @@ def main(kind: str, root: str, out: str) -> None:
             with torch.no_grad():  # before the body, values of what the last stage trains: read on the first stage
                 gate = self.temp.detach() + self.head(h)
             h = h * gate
-            loss = nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1) * self.temp, y)
+            loss = nn.functional.mse_loss(self.head(self.body(h)).squeeze(-1) * self.temp * self.scale, y)
             with torch.no_grad():
                 self.log("probe_mean", self.probe(x).mean())  # after the body, without a gradient
             return {"loss": loss, "scale": scale}
+
+        def on_train_epoch_start(self):
+            self.scale.requires_grad_(self.current_epoch > 0)  # a warm-up freeze
 
         def on_train_epoch_end(self):
             self.log("kept_mean", torch.stack(self.kept).mean())  # the last stage's list, handed to every stage
@@ -433,7 +437,8 @@ def test_values_of_the_embedding_logged_and_returned_before_the_body_match_ddp(l
     And the LightningModule's own `temp`, trained on the last stage, was reset to the first stage's untrained copy
     before every step, because its own `offset` (used before the body) is refreshed from there. And the other way:
     the first stage read its own, never-trained copies of `temp` and `head` before the body, without a gradient
-    (0.11 in the loss by step 8)."""
+    (0.11 in the loss by step 8). And `scale`, frozen in epoch 0, belonged to the first stage, which read `offset`
+    beside it: unfrozen, it was reset to the first stage's copy before every step (review)."""
     want = lm_runs("reference")[0]["test_stale_copies_ddp"]
     got = lm_runs("world2")[0]["test_stale_copies_pipe"]
     assert want["steps"].shape == (8, 5)

@@ -96,6 +96,24 @@ def is_released(module: nn.Module) -> bool:
     return any(t is not None and t.is_meta for t in list(module._parameters.values()) + list(module._buffers.values()))
 
 
+def explain_meta_error(error: RuntimeError, module: nn.Module, body_path: str, hook: str) -> None:
+    """Raise a named error for torch's about a meta tensor in the user's step when this process released modules
+    outside the body: a parameter of one read as an attribute (``self.post.weight``), which no hook sees, in a step
+    that the first training step did not show (a validation step, say). Returns for any other error."""
+    if "meta" not in str(error):
+        return
+    released = [path or "the LightningModule" for path, m in named_outside_body(module, body_path) if is_released(m)]
+    if released:
+        raise ConfigurationError(
+            f"{hook} computed with a tensor on the meta device ({error}). On this process PipeStrategy released the "
+            f"weights of {[f'self.{p}' for p in released]} after the first training step, which neither used them "
+            "here nor computed a gradient for them here: a parameter or buffer of one read as an attribute (`x @ "
+            "self.proj.weight`) has no values. A module must be used from the first training step on by the stages "
+            "that will use it; fix: read it in every training step from the first (e.g. add `0.0 * "
+            "self.proj.weight.sum()` to the loss), or do the work outside the LightningModule"
+        ) from error
+
+
 def refuse_calls(module: nn.Module, path: str, where: str) -> object:
     """Make a released module raise a named error when called (its tensors are meta: nothing to compute with).
 

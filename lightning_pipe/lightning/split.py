@@ -100,6 +100,7 @@ class SplitModel:
         self.users: Dict[str, Set[int]] = {}  # outside the body: the ranks that train each parameter (learned)
         self.module_owner: Dict[str, int] = {}  # outside the body: the rank owning each module's buffers (learned)
         self.hooks: List[object] = []  # handles of the hooks set after the first step (see release_unused)
+        self.pending_own: List[tuple] = []  # the LightningModule's own parameters watched once unfrozen (name, p)
         self.trained_elsewhere: Set[int] = set()  # ids of parameters kept here that only other ranks train
         self.module = module
         self.stand_in = self._stand_in(channel)
@@ -147,7 +148,7 @@ class SplitModel:
         """Remove the hooks :meth:`release_unused` set (once the whole model is back in the module)."""
         for handle in self.hooks:
             handle.remove()
-        self.hooks = []
+        self.hooks, self.pending_own = [], []
 
     def _where(self) -> str:
         stages = self.local_stages
@@ -185,7 +186,12 @@ class SplitModel:
                 self._hook_when_trainable(m, pending)
 
     def _hook_when_trainable(self, module: nn.Module, pending: List) -> None:
-        """Hook the gradients of ``pending`` (frozen now) at the first call of ``module`` after they are unfrozen."""
+        """Hook the gradients of ``pending`` (frozen now) at the first call of ``module`` after they are unfrozen;
+        the LightningModule's own, which no step calls, at the first training step after (:meth:`hook_unfrozen`)."""
+        if module is self.module:
+            self.pending_own = pending
+            return
+
         def hook(m: nn.Module, args: tuple) -> None:
             pending[:] = [(name, p) for name, p in pending if not self._hook_gradient(name, p)]
             if not pending:
@@ -193,6 +199,11 @@ class SplitModel:
 
         handle = module.register_forward_pre_hook(hook)
         self.hooks.append(handle)
+
+    def hook_unfrozen(self) -> None:
+        """Before a training step: hook the gradients of the LightningModule's own parameters that
+        :meth:`_watch_gradients` watches and that were unfrozen since."""
+        self.pending_own[:] = [(name, p) for name, p in self.pending_own if not self._hook_gradient(name, p)]
 
     def _hook_gradient(self, name: str, p: torch.Tensor) -> bool:
         """Hook ``p``'s gradient to refuse it here (False: it does not require grad yet)."""
@@ -294,7 +305,8 @@ class SplitModel:
         return [n for n, p in self.module._parameters.items() if p is not None and id(p) in called]
 
     def learn_usage(self, used_per_stage: Sequence[Sequence[str]],
-                    called_per_stage: Optional[Sequence[Sequence[str]]] = None) -> List[Tie]:
+                    called_per_stage: Optional[Sequence[Sequence[str]]] = None,
+                    own_read_per_stage: Optional[Sequence[Sequence[str]]] = None) -> List[Tie]:
         """Owners of the parameters outside the body: the ranks that computed their gradients, or else the rank that
         called their module (see the module docstring).
 
@@ -304,6 +316,10 @@ class SplitModel:
             called_per_stage: per pipeline rank, the paths of the modules outside the body whose forward ran in
                 the first step (:meth:`called_names`). Without it, a parameter no rank computed a gradient for
                 belongs to the last stage.
+            own_read_per_stage: per pipeline rank, the LightningModule's own parameters read in the first step
+                (:meth:`own_read`): one no rank computed a gradient for belongs to the first stage if it read that
+                parameter itself (a frozen ``temperature`` used after the body stays the last stage's, though the
+                first stage read a ``pos_embed`` beside it).
 
         Returns:
             The parameters that several stages computed gradients for and that are not tied by
@@ -316,12 +332,14 @@ class SplitModel:
         self.owner = {n: min(s) for n, s in stages.items()}
         called = [set(c) for c in called_per_stage] if called_per_stage is not None else None
         self.module_owner = {}
+        own = [set(r) for r in own_read_per_stage] if own_read_per_stage is not None else None
         for path, m in release.named_outside_body(self.module, self.path):
             self.module_owner[path] = self._caller(path, called)
             for n in m._parameters:
                 name = self.canonical(f"{path}.{n}" if path else n)
                 if self.layer_of(name) is None and name not in self.owner:
-                    self.owner[name] = self.module_owner[path]
+                    self.owner[name] = self.module_owner[path] if path or own is None else \
+                        self.first_rank if n in own[self.first_rank] else self.last_rank
         self.users = {n: set(stages.get(n, [self.owner[n]])) for n in self.owner}
         tied = {name for tie in self.ties for name in tie.names}
         return [Tie((name,), tuple(where)) for name, where in sorted(stages.items()) if len(where) > 1 and name not in tied]

@@ -116,6 +116,9 @@ class StepRunner:
                     self.in_step = True
                     try:
                         output = getattr(self.module, self.hook)(batch, *self.hook_args)
+                    except RuntimeError as error:
+                        release.explain_meta_error(error, self.module, self.body_path, self.hook)
+                        raise
                     finally:
                         self.in_step = False
                         if versions is not None and written_since(versions):

@@ -492,6 +492,8 @@ class PipeStrategy(DDPStrategy):
             if self._zeroed_after_step(module.trainer):
                 earlier = {}  # stale: Lightning zeroes them after this step; freed now, before new ones exist
             self._refresh_stale_copies(training=True)
+            if self.split.pending_own:
+                self.split.hook_unfrozen()
             buffers = self._buffer_watch.before()
             # the modules used are learned from the first step; a global hook or mode would slow every later call
             calls = release.uses_recorded(module, self.split.path) if self._ties is None else nullcontext(set())
@@ -563,7 +565,7 @@ class PipeStrategy(DDPStrategy):
         if self._stale is not None:  # its parameters are marked aliases there: the reads release.uses_recorded misses
             self._called |= {id(module.get_submodule(path)) for path in self._stale.read}
         per_stage = self._gather_per_stage((used, split.called_names(self._called), noted, split.own_read(self._called)))
-        shared = split.learn_usage([u for u, *_ in per_stage], [c for _, c, *_ in per_stage])
+        shared = split.learn_usage([u for u, *_ in per_stage], [c for _, c, *_ in per_stage], [o for *_, o in per_stage])
         self._ties = TiedGradients(split.ties + shared, module, self.stage_index, self.pp_group)
         tied = sorted({tie.names[0] for tie in self._ties.ties})
         if tied:
