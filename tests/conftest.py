@@ -151,11 +151,17 @@ def launch_lm_app(tmp_path_factory, name, runs, expect_failure=False, timeout=42
 @pytest.fixture(scope="session")
 def lm_runs(tmp_path_factory):
     """Every run of LM_LAUNCHES by name, launched on first use; ``root`` and ``output`` per launch too."""
-    cache = {}
+    cache, failed = {}, {}
 
     def get(launch):
+        if launch in failed:  # once: every test of a failed launch would launch it again, minutes each
+            pytest.fail(f"the {launch} launch failed earlier in this session: {failed[launch]}", pytrace=False)
         if launch not in cache:
-            cache[launch] = launch_lm_app(tmp_path_factory, launch, LM_LAUNCHES[launch])
+            try:
+                cache[launch] = launch_lm_app(tmp_path_factory, launch, LM_LAUNCHES[launch])
+            except BaseException as error:
+                failed[launch] = f"{type(error).__name__}: {str(error)[-3000:]}"
+                raise
         return cache[launch]
 
     return get

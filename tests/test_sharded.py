@@ -343,3 +343,18 @@ def test_a_sharded_save_expects_the_keys_no_checkpoint_hook_deleted_on_any_rank(
     (no rank saves `b`, `d`). The keys deleted on any rank, and their aliases, are left out on every rank. And
     deleting a key of the model that another rank holds raised KeyError."""
     assert distributed.run(_kept_by_hooks, 2) == [(["a", "c"], None, ["a"]), (["a", "c"], None, ["c"])]
+
+
+def test_the_state_dict_the_checkpoint_hooks_get_is_written_as_a_plain_dict(tmp_path):
+    """Regression: a weight averaging callback moved it to `current_model_state`, where nothing made it plain
+    again: the file did not load (HookState.__init__() missing arguments)."""
+    import copy
+    from collections import OrderedDict
+
+    from lightning_pipe.lightning.state import HookState
+
+    given = HookState({"a": torch.ones(1)}, ["a", "b"])
+    torch.save({"current_model_state": given}, tmp_path / "x.ckpt")
+    loaded = torch.load(tmp_path / "x.ckpt", weights_only=True)["current_model_state"]
+    assert type(loaded) is OrderedDict and list(loaded) == ["a"]
+    assert type(copy.deepcopy(given)) is OrderedDict

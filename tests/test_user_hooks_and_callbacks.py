@@ -310,7 +310,10 @@ def test_a_loggers_writing_use_in_the_last_stages_step_warns_once_and_the_logger
 
 def test_the_users_read_of_the_rank_after_the_body_on_the_last_stage_warns_once():
     """``if self.trainer.is_global_zero:`` after the body ran on no process (the last stage is not global rank 0),
-    silently. Lightning's and our own reads of the rank do not warn; neither does a read before the body."""
+    silently. Lightning's and our own reads do not warn; neither does a read before the body, nor one of
+    ``global_rank`` (a file named by rank)."""
+    from lightning.pytorch.strategies import Strategy
+
     from lightning_pipe.lightning import loggers
 
     strategy = _strategy(1)
@@ -319,18 +322,18 @@ def test_the_users_read_of_the_rank_after_the_body_on_the_last_stage_warns_once(
     with loggers.watched(SimpleNamespace(_loggers=[]), "training_step", 1, lambda: body.called):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert strategy.global_rank == 1  # before the body: the first stage (global rank 0) runs this code too
+            assert not strategy.is_global_zero  # before the body: the first stage (global rank 0) runs this code too
             body.called = True
-            assert strategy.dp_rank == 0 and strategy.stage_index == 1  # our own reads
-            from lightning.pytorch.strategies import DDPStrategy
-            assert DDPStrategy.distributed_sampler_kwargs.fget(strategy)["rank"] == 1  # Lightning's
+            assert strategy.global_rank == 1 and strategy.stage_index == 1
+            Strategy.remove_checkpoint(strategy, "unused.ckpt")  # Lightning's own read: on global rank 0 only
         with pytest.warns(UserWarning, match=r"training_step read `is_global_zero` after the body call\. Under "
-                                             r"PipeStrategy that code runs on the last stage's process \(global rank 1\)"):
+                                             r"PipeStrategy that code runs on the last stage's process \(global rank 1\)") as caught:
             assert not strategy.is_global_zero
+        assert caught[0].filename == __file__  # the user's line
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert strategy.local_rank == 0  # once per process (the environment sets no local rank here)
+            assert not strategy.is_global_zero  # once per process
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loggers._warned["rank"] = False
-        assert strategy.global_rank == 1  # not watched: outside the last stage's step
+        assert not strategy.is_global_zero  # not watched: outside the last stage's step

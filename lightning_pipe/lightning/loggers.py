@@ -15,11 +15,11 @@ Reading the logger (``save_dir``, ``log_dir``) does not warn, and neither does a
 body call, which the first stage (global rank 0) runs too.
 
 The same holds for any code after the body that runs on global rank 0 only (``if
-self.trainer.is_global_zero:``, ``if self.global_rank == 0:``, ``self.print``): while
-:func:`watched` is on, PipeStrategy's ``global_rank`` and ``local_rank`` call :func:`rank_read`,
-which warns once when the user's code read them there (Lightning's own reads, which go through
-other functions of its own, do not warn). ``@rank_zero_only`` functions read a number set at
-setup, which nothing can watch.
+self.trainer.is_global_zero:``, ``self.print``): while :func:`watched` is on, PipeStrategy's
+``is_global_zero`` calls :func:`rank_read`, which warns once when the user's code read it there
+(Lightning's own reads, which go through other functions of its own, do not warn). A read of
+``global_rank`` does not warn: it names files as often as it picks rank 0, and what is done with
+it cannot be seen; nor do ``@rank_zero_only`` functions, which read a number set at setup.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 
 _warned = {"done": False, "rank": False}
 _watching: Optional[tuple] = None  # (hook, rank, after_body) while watched() is on
-# the properties that lead from the user's code to the strategy's rank, and Lightning's `print` (rank 0 only)
-_RANK_GETTERS = frozenset({"global_rank", "local_rank", "is_global_zero", "print"})
+# the properties that lead from the user's code to the strategy's is_global_zero, and Lightning's `print`
+_RANK_GETTERS = frozenset({"is_global_zero", "print"})
 _LIBRARIES = tuple(os.path.dirname(path) + os.sep for path in (
     lightning.pytorch.__file__, lightning.fabric.__file__, lightning_utilities.__file__, torch.__file__,
     os.path.dirname(os.path.abspath(__file__))))  # lightning_pipe's own folder
@@ -92,21 +92,22 @@ def watched(trainer: Any, hook: str, rank: int, after_body: Callable[[], bool]) 
 
 
 def rank_read() -> None:
-    """Called by PipeStrategy's ``global_rank`` and ``local_rank``: warn once if the user's code read it after the
-    body call while :func:`watched` is on (its caller, through Lightning's rank properties only, is not library code)."""
+    """Called by PipeStrategy's ``is_global_zero``: warn once if the user's code read it after the body call while
+    :func:`watched` is on (its caller, through Lightning's ``is_global_zero`` and ``print`` only, is not library
+    code)."""
     if _watching is None or _warned["rank"]:
         return
     hook, rank, after_body = _watching
-    frame, what = sys._getframe(2), "global_rank"  # above the strategy's property
+    frame, what, depth = sys._getframe(2), "is_global_zero", 3  # above the strategy's property
     while frame is not None and frame.f_code.co_name in _RANK_GETTERS and frame.f_code.co_filename.startswith(_LIBRARIES):
-        frame, what = frame.f_back, frame.f_code.co_name
+        frame, what, depth = frame.f_back, frame.f_code.co_name, depth + 1
     if frame is None or frame.f_code.co_filename.startswith(_LIBRARIES) or not after_body():
         return
     _warned["rank"] = True
     warnings.warn(
-        f"{hook} read `{what}` after the body call. Under PipeStrategy that code runs on the last stage's process "
+        f"{hook} {'called `self.print`' if what == 'print' else 'read `is_global_zero`'} after the body call. Under PipeStrategy that code runs on the last stage's process "
         f"(global rank {rank}), not on global rank 0, so what you run on rank 0 only there does not run at all. Do "
         "it in a hook that runs on every rank (on_train_batch_end / on_validation_batch_end get the step's merged "
         "outputs), or before the body call, which global rank 0 runs",
-        stacklevel=3,
+        stacklevel=depth,  # the user's line
     )

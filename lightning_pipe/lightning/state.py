@@ -60,6 +60,11 @@ class HookState(OrderedDict):
         else:
             self.deleted.add(key)
 
+    def __reduce__(self) -> Any:
+        # pickled and copied as a plain OrderedDict: a callback may move it elsewhere in the checkpoint (a weight
+        # averaging one's `current_model_state`), and the file must load without lightning_pipe
+        return OrderedDict, (list(self.items()),)
+
 
 def parameter_names(module: nn.Module, canonical: Callable[[str], str] = lambda name: name) -> Dict[int, str]:
     """``id(parameter) -> canonical name`` (the first name of a parameter that is registered twice)."""

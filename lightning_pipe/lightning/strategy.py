@@ -225,14 +225,9 @@ class PipeStrategy(DDPStrategy):
         return self.num_nodes * self.num_processes
 
     @property
-    def global_rank(self) -> int:
+    def is_global_zero(self) -> bool:
         loggers.rank_read()  # code for rank 0 only after the body, on the last stage: a warning (see .loggers)
-        return super().global_rank
-
-    @property
-    def local_rank(self) -> int:
-        loggers.rank_read()
-        return super().local_rank
+        return super().is_global_zero
 
     @property
     def pp_size(self) -> int:
@@ -820,8 +815,9 @@ class PipeStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._hide_whole()
         self._refuse_in_step("trainer.save_checkpoint()")
-        if isinstance(checkpoint.get("state_dict"), HookState):  # a file that loads without lightning_pipe
-            checkpoint["state_dict"] = OrderedDict(checkpoint["state_dict"])
+        for key, value in checkpoint.items():  # the state dict, or where a callback moved it: plain again
+            if isinstance(value, HookState):
+                checkpoint[key] = OrderedDict(value)
         if "current_model_state" in checkpoint and self.split is not None and self.split.installed:
             # a WeightAveraging callback put its averaged copy of this rank's tensors there: the whole one instead
             averaged = averaging.averaged_state(self.lightning_module.trainer.callbacks, self.lightning_module,
