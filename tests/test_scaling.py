@@ -191,7 +191,8 @@ def two_processes(tmp_path_factory):
     cmd = [sys.executable, APP, "--runs", json.dumps(runs), "--root", str(root)]
     codes, seconds, survivors, (output,) = Launch(root, [cmd], _env()).finish(TIMEOUT * 2)
     assert codes == [0] and not survivors, f"{codes}, survivors {survivors}:\n{output[-6000:]}"
-    return {name: dict(torch.load(root / name / "result.pt", weights_only=False), output=output) for name in runs}
+    return {name: dict(torch.load(root / name / "result.pt", weights_only=False), output=output, root=root / name)
+            for name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +249,7 @@ def test_two_nodes_of_two_processes_equal_one_node_of_four(tmp_path_factory, pip
     assert codes == [0, 0] and not survivors, f"{codes}, survivors {survivors}:\n" + "\n".join(o[-4000:] for o in outputs)
     assert "PipeStrategy: 2 stages x 2 replicas" in outputs[0]
     assert "GLOBAL_RANK: 2, MEMBER: 3/4" in outputs[1] and "GLOBAL_RANK: 3, MEMBER: 4/4" in outputs[1]
-    result = torch.load(out, weights_only=False)
+    result = dict(torch.load(out, weights_only=False), root=root)  # both nodes write there (one machine)
     assert_same_run(result, pipe2x2)
 
 
