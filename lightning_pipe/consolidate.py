@@ -92,7 +92,9 @@ def consolidate(path: Union[str, Path], out: Optional[Union[str, Path]] = None,
     keys = sorted(contents.model, key=lambda k: (order.get(k, len(order)), k))
     state_dict = {key: values[contents.model[key]] for key in keys}
     _retie(state_dict, info.get("aliases", {}))
-    current = {key: values[contents.current[key]] for key in keys if key in contents.current}
+    # every current weight: a checkpoint hook may have deleted some averaged entries (a frozen weight), not these
+    current = {key: values[contents.current[key]]
+               for key in sorted(contents.current, key=lambda k: (order.get(k, len(order)), k))}
     _retie(current, info.get("aliases", {}))
     optimizer_states: List[Dict[str, Any]] = []
     for i, entries in enumerate(contents.groups):

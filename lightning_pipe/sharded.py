@@ -265,7 +265,8 @@ def save_sharded(path: Union[str, Path], module_state: Mapping[str, Any],
         expected_keys: the unpartitioned model's keys (aliases included); if given, the ranks
             together must pass exactly these (checked before anything is written).
         current_state: with a weight averaging callback, whose averages ``module_state`` then
-            holds: the current weights, under the same keys as ``module_state``.
+            holds: the current weights, under the same keys as ``module_state`` or more (a checkpoint
+            hook may delete averaged entries, as it may under DDP).
         group: the process group of every rank that saves (default: the world).
 
     Raises:
@@ -284,9 +285,9 @@ def save_sharded(path: Union[str, Path], module_state: Mapping[str, Any],
     path, aliases = Path(path), dict(aliases or {})
     try:  # whatever goes wrong here must reach the exchange, or the other ranks would wait forever
         problems = _save_problems(path, module_state, optimizer_states, layouts)
-        if current_state is not None and set(current_state) != set(module_state):
-            problems.append(("mismatch", "the current weights' keys differ from the averaged ones': "
-                                         f"{_few(sorted(set(current_state) ^ set(module_state)))}"))
+        if current_state is not None and not set(module_state) <= set(current_state):
+            problems.append(("mismatch", "the averaged weights hold keys the current ones lack: "
+                                         f"{_few(sorted(set(module_state) - set(current_state)))}"))
     except Exception as error:
         problems = [("mismatch", f"cannot check what to save: {type(error).__name__}: {error}")]
     verdicts = _exchange((problems, sorted(module_state) if expected_keys is not None else []), group)
@@ -430,7 +431,8 @@ def load_sharded(path: Union[str, Path], module_state: Dict[str, Any],
         ``{"state": {name: {...}}, "param_groups": [...]}`` keyed by parameter name, with this
         rank's names only and each group's ``params`` listing the checkpoint's names; and, when the
         checkpoint holds current weights beside averaged ones (``"state_dict"`` then holds the
-        averages), ``"current_model_state"``: new tensors like ``module_state``'s, under its keys.
+        averages), ``"current_model_state"``: new tensors like ``module_state``'s, under its keys (those
+        of them saved: all, where a checkpoint hook deleted some averaged entries).
 
     Raises:
         MissingShardError: a shard file is missing or truncated, or nothing is at ``path``.
@@ -457,7 +459,7 @@ def load_sharded(path: Union[str, Path], module_state: Dict[str, Any],
     requests = {fqn: module_state[key] if isinstance(module_state[key], torch.Tensor) else None
                 for key, fqn in fqns.items()}
     requests.update(_optimizer_requests(contents, optimizer_names or [], device))
-    current = {key: contents.current[key] for key in fqns if key in contents.current} if contents.current else {}
+    current = {key: contents.current[key] for key in module_state if key in contents.current} if contents.current else {}
     requests.update((fqn, torch.empty_like(module_state[key]) if isinstance(module_state[key], torch.Tensor) else None)
                     for key, fqn in current.items())
     _read(path, requests)

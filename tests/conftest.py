@@ -35,6 +35,7 @@ LM_LAUNCHES = {
         _spec("llama_2ep", "llama", "ddp", 1, epochs=2), _spec("cached", "cached", "ddp", 1),
         _spec("alternating", "alternating", "ddp", 1), _spec("float32_norm", "float32_norm", "ddp", 1),
         *[dict(name=f"{app}_ddp", app=app, strategy="ddp", devices=1) for app in APPS],
+        dict(name="test_weight_averaging_ddp_filtered", app="test_weight_averaging", strategy="ddp_filtered", devices=1),
     ],
     "world2": [
         _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe", trace=[2, 2]), _spec("gpt2_p2", "gpt2", "pipe", 2, schedule="zb_h1"),
@@ -63,6 +64,8 @@ LM_LAUNCHES = {
         dict(name="test_weight_averaging_1x2", app="test_weight_averaging", strategy="pipe1x2", devices=2),
         dict(name="test_weight_averaging_pipe_sharded", app="test_weight_averaging", strategy="pipe_sharded",
              devices=2),
+        dict(name="test_weight_averaging_pipe_sharded_filtered", app="test_weight_averaging",
+             strategy="pipe_sharded_filtered", devices=2),
         dict(name="test_data_loading_ddp2", app="test_data_loading", strategy="ddp2", devices=2),
         # interleaved 1F1B, 2 stages per process; the resume writes sharded checkpoints
         _spec("llama_p2v2", "llama", "pipe", 2, schedule="interleaved_1f1b", virtual_stages=2),

@@ -319,8 +319,11 @@ def test_current_weights_beside_averaged_ones_are_sharded_read_back_and_consolid
         assert torch.equal(whole["state_dict"]["also_w"], averaged["w"])
     assert ours["current_model_state"]["also_w"].data_ptr() == ours["current_model_state"]["w"].data_ptr()  # once
 
-    with pytest.raises(CheckpointMismatchError, match=r"the current weights' keys differ from the averaged ones'"):
+    with pytest.raises(CheckpointMismatchError, match=r"the averaged weights hold keys the current ones lack: `b`"):
         save_sharded(tmp_path / "bad", averaged, current_state={"w": current["w"]})
+    # a checkpoint hook deleted an averaged entry (a frozen weight), as it may under DDP: the current ones keep it
+    save_sharded(tmp_path / "filtered", {"w": averaged["w"]}, current_state=current)
+    assert set(consolidate(tmp_path / "filtered")["current_model_state"]) == set(current)
 
 
 def _kept_by_hooks(rank, world_size):

@@ -82,11 +82,15 @@ def averaging_callbacks(callbacks: List[Any]) -> List[Any]:
     return [c for c in callbacks if isinstance(c, WeightAveraging)]
 
 
-def adopt(callbacks: List[Any], module: nn.Module, device: torch.device) -> None:
+def adopt(callbacks: List[Any], module: nn.Module, device: torch.device,
+          whole: Callable[[Any], Dict[str, Any]]) -> None:
     """Give each weight averaging callback an averaged copy of the split ``module`` (after setup, when fitting).
 
     Its ``on_load_checkpoint`` loads names the per-stage copy does not have: :func:`restore` does its work instead,
-    when the strategy loads the module's state (just before the callbacks' hooks run).
+    when the strategy loads the module's state (just before the callbacks' hooks run). Its ``on_save_checkpoint``
+    writes the per-stage copy's state into the checkpoint (``weight_0``, ...): ``whole(callback)`` (the strategy's,
+    a collective) replaces it right after with the whole averaged model's, keyed as the model is, before the
+    LightningModule's own hook sees it (a hook that keeps only the trainable weights filters it, as under DDP).
     """
     for callback in averaging_callbacks(callbacks):
         if callback._average_model is None:
@@ -94,6 +98,15 @@ def adopt(callbacks: List[Any], module: nn.Module, device: torch.device) -> None
         callback._average_model = AveragedModel(StageAverage(module, callback._device or device),
                                                 use_buffers=callback._use_buffers, **callback._kwargs)
         callback.on_load_checkpoint = _restored_by_the_strategy
+        callback.on_save_checkpoint = _saving_whole(callback, whole)
+
+
+def _saving_whole(callback: Any, whole: Callable[[Any], Dict[str, Any]]) -> Callable[..., None]:
+    def on_save_checkpoint(trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+        type(callback).on_save_checkpoint(callback, trainer, pl_module, checkpoint)
+        if "current_model_state" in checkpoint:  # it saved its average (while fitting)
+            checkpoint["state_dict"] = whole(callback)
+    return on_save_checkpoint
 
 
 def _restored_by_the_strategy(trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
@@ -141,16 +154,12 @@ def drop(callbacks: List[Any]) -> None:
     for callback in _adopted(callbacks):
         callback._average_model = None
         callback.__dict__.pop("on_load_checkpoint", None)
+        callback.__dict__.pop("on_save_checkpoint", None)
 
 
-def averaged_state(callbacks: List[Any], module: Any, state: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """The module's state with the averaged weights swapped in (``state``: how the strategy reads it, a collective),
-    or None when no callback's average is this module's. With several callbacks, the last one's: its
-    ``on_save_checkpoint`` ran last and wrote the checkpoint's ``state_dict``."""
-    adopted = _adopted(callbacks)
-    if not adopted:
-        return None
-    callback = adopted[-1]
+def averaged_state(callback: Any, module: Any, state: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+    """The module's state with ``callback``'s averaged weights swapped in (``state``: how the strategy reads it, a
+    collective)."""
     callback._swap_models(module)
     try:
         return _detached(state(), module)

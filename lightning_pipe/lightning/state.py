@@ -274,9 +274,9 @@ class Checkpoints:
                      aliases=self.split.key_aliases, expected_keys=self._kept_by_hooks(state), current_state=current,
                      group=None)
 
-    def for_hooks(self, gather: bool) -> HookState:
-        """:meth:`module_state`, as the checkpoint hooks get it (:class:`HookState`)."""
-        self.given = HookState(self.module_state(gather), self.split.key_order)
+    def for_hooks(self, state: Mapping[str, Any]) -> HookState:
+        """``state`` (:meth:`module_state`'s), as the checkpoint hooks get it (:class:`HookState`)."""
+        self.given = HookState(state, self.split.key_order)
         self.before_hooks = set(self.given)
         return self.given
 

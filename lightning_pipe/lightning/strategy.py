@@ -360,7 +360,7 @@ class PipeStrategy(DDPStrategy):
                 self.setup_optimizers(trainer)
             self._refuse_unsupported_optimizers()
             if self.pp_size > 1:
-                averaging.adopt(trainer.callbacks, module, self.root_device)
+                averaging.adopt(trainer.callbacks, module, self.root_device, self._averaged_for_hooks)
             self._checkpoints.record_layouts(self._bare_optimizers())
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             if self.pp_size > 1:
@@ -785,7 +785,7 @@ class PipeStrategy(DDPStrategy):
         self._hide_whole()  # a checkpoint started before this one that did not reach save_checkpoint
         if self.split is None or not self.split.installed:
             return super().lightning_module_state_dict()
-        state = self._checkpoints.for_hooks(gather=not self._sharded)
+        state = self._checkpoints.for_hooks(self._module_state())
         if self.pp_size > 1:
             # Lightning's dump_checkpoint reads this first, then runs the checkpoint hooks, and save_checkpoint
             # follows: the hooks see the whole model, as on one process (a "keep the trainable weights" filter
@@ -793,6 +793,16 @@ class PipeStrategy(DDPStrategy):
             self.split.show_whole(self.pp_group)
             self._showing_whole = True
         return state
+
+    def _averaged_for_hooks(self, callback: Any) -> Dict[str, Any]:
+        """A weight averaging callback's average as the checkpoint hooks get it (see :func:`averaging.adopt`): the
+        whole averaged model's state (this rank's part, sharded), keyed as the model is. Swapping the average in
+        zips the callback's copy with this stage's tensors, so the stand-in goes back in meanwhile."""
+        self._hide_whole()
+        state = averaging.averaged_state(callback, self.lightning_module, self._module_state)
+        self.split.show_whole(self.pp_group)
+        self._showing_whole = True
+        return self._checkpoints.for_hooks(state)
 
     def _module_state(self) -> Dict[str, Any]:
         return self._checkpoints.module_state(gather=not self._sharded)
@@ -818,12 +828,6 @@ class PipeStrategy(DDPStrategy):
         for key, value in checkpoint.items():  # the state dict, or where a callback moved it: plain again
             if isinstance(value, HookState):
                 checkpoint[key] = OrderedDict(value)
-        if "current_model_state" in checkpoint and self.split is not None and self.split.installed:
-            # a WeightAveraging callback put its averaged copy of this rank's tensors there: the whole one instead
-            averaged = averaging.averaged_state(self.lightning_module.trainer.callbacks, self.lightning_module,
-                                                self._module_state)
-            if averaged is not None:
-                checkpoint["state_dict"] = averaged
         _refuse_meta_tensors(checkpoint.get("state_dict", {}))
         if not self._sharded or self._checkpoints is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
