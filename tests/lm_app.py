@@ -467,6 +467,16 @@ class Unbalanced(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class NoGradBlocks(LlamaStyle):
+    """LlamaStyle whose step runs the model under ``torch.no_grad()`` (a frozen feature extractor; refused)."""
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        with torch.no_grad():
+            logits = self.logits(tokens)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
 class MeanTokenLlama(LlamaStyle):
     """LlamaStyle whose step returns ``F.cross_entropy``'s token mean itself, with no ``num_items``; with
     ``derived``, a value computed from it (``loss + 0``), which PipeStrategy cannot count (it warns); with
@@ -686,7 +696,7 @@ CASES = {
     "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"),
-    "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
+    "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),

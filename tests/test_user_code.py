@@ -75,6 +75,20 @@ def test_a_summed_cross_entropy_under_loss_reduction_mean_is_refused_on_every_ra
     assert "Pass PipeStrategy(loss_reduction='sum')" in output
 
 
+def test_blocks_called_under_no_grad_in_a_training_step_are_refused_on_every_rank(tmp_path_factory):
+    """Regression (review): a step running the body under torch.no_grad() (a frozen feature extractor) trained the
+    last stage's layers, which the pipeline runs with gradients whatever the step's grad mode."""
+    code, seconds, survivors, output = launch_lm_app(
+        tmp_path_factory, "no_grad_blocks", [dict(name="no_grad_blocks", case="no_grad_blocks", strategy="pipe",
+                                                  devices=2)],
+        expect_failure=True, timeout=120,
+    )
+    assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
+    reasons = stop_reasons(output)
+    assert sorted(reasons) == [0, 1] and all("ConfigurationError" in r for r in reasons.values()), output[-4000:]
+    assert "training_step called the body `self.layers` with gradients disabled" in output, output[-4000:]
+
+
 def test_a_token_mean_loss_declared_with_num_items_equals_ddp(lm_runs):
     """The microbatches hold different numbers of tokens; weighted by num_items they add up to DDP's loss."""
     from tests.lm_app import token_data

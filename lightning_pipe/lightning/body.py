@@ -33,6 +33,7 @@ import operator
 from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from lightning_pipe.checkpoint import checkpointed
@@ -171,7 +172,8 @@ class StandIn:
     def begin_step(self, mode: str, replacement: Optional[tuple] = None, checkpoint_layers: bool = False) -> None:
         # Plain values straight into __dict__: nn.Module.__setattr__ first looks for a parameter, buffer or
         # submodule of each name, and this runs twice per microbatch on the critical path.
-        self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0)
+        self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0,
+                             grad_at_call=None)
 
     def reached(self) -> bool:
         """Whether the user's step has called the body since :meth:`begin_step`."""
@@ -302,6 +304,7 @@ class PipelinedSequential(StandIn, nn.Sequential):
     def forward(self, *inputs):
         self.refuse_if_released()
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
+        self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
         if self.mode == "replace":
             outputs = self.replacement
             return outputs[0] if len(outputs) == 1 else outputs

@@ -304,6 +304,7 @@ class PipelinedLayerList(StandIn, nn.Module):
             )
         if RemovableHandle.next_id != self._first_hook:  # a hook was registered somewhere since the step began
             _refuse_hooks_put_in_step(self.blocks[index], index, self._first_hook)
+        self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: blocks under no_grad
         structure, tensors = self._split(args[1:], kwargs)
         if self.mode == "replace":
             if self._seen and index == self._seen[-1][0] + 1:  # the order is end_step's to check

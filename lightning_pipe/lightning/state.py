@@ -43,10 +43,10 @@ class HookState(OrderedDict):
     deleted raises as in a dict.
 
     Example:
-        >>> state = HookState({"head.weight": 1}, model_keys=["body.0.weight", "head.weight"])
+        >>> state = HookState({"head.weight": 1}, model_keys=["body.0.weight", "body.0.bias", "head.weight"])
         >>> del state["body.0.weight"]
-        >>> dict(state), state.deleted
-        ({'head.weight': 1}, {'body.0.weight'})
+        >>> state.pop("body.0.bias"), dict(state), sorted(state.deleted)
+        (None, {'head.weight': 1}, ['body.0.bias', 'body.0.weight'])
     """
 
     def __init__(self, items: Mapping[str, Any], model_keys: Sequence[str]) -> None:
@@ -59,6 +59,14 @@ class HookState(OrderedDict):
             super().__delitem__(key)
         else:
             self.deleted.add(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        """As a dict's; a key of the model this process does not hold is noted and gives ``default`` (else None:
+        the value lives on another process)."""
+        if key in self or key not in self.model_keys:
+            return super().pop(key, *default)
+        self.deleted.add(key)
+        return default[0] if default else None
 
     def __reduce__(self) -> Any:
         # pickled and copied as a plain OrderedDict: a callback may move it elsewhere in the checkpoint (a weight

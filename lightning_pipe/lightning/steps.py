@@ -110,6 +110,7 @@ class StepRunner:
         logging = loggers.watched(self.module.trainer, self.hook, self.watch_loggers_on, self.stand_in.reached) \
             if self.watch_loggers_on is not None and mode == "replace" else nullcontext()
         targets = self.targets.watching() if mode != "stop" and self.hook != "predict_step" else nullcontext()
+        grad_on = torch.is_grad_enabled() and self.hook == "training_step"
         try:
             with watch, logging, targets:
                 with release.reads_recorded():
@@ -123,11 +124,15 @@ class StepRunner:
                         self.in_step = False
                         if versions is not None and written_since(versions):
                             self.copies_batch = True  # from this step's next run on
+                if grad_on:
+                    self._refuse_body_without_grad()
                 output = unmark(output, f"returned by {self.hook}")
                 if self.stale is not None and self.stale.active():  # kept for later (shared at the epoch's end)
                     for name, value in self.effects.new_values(snapshot):
                         unmark(value, f"kept in `self.{name}`")
         except BodyReached:
+            if grad_on:
+                self._refuse_body_without_grad()
             self.stand_in.begin_step("local")
             self.recorder.discard_microbatch()  # the last stage logs; under ZB-V it is on this process too
             self.effects.after(self.hook, snapshot, last_stage=False)
@@ -140,6 +145,19 @@ class StepRunner:
         self.stand_in.end_step(self.hook, self.body_path)
         self.effects.after(self.hook, snapshot, last_stage=True)
         return output
+
+    def _refuse_body_without_grad(self) -> None:
+        """A training step that calls the body under ``torch.no_grad()`` (a frozen feature extractor): the pipeline
+        runs the body's stages with gradients all the same, so their layers would train; refuse it."""
+        if self.stand_in.grad_at_call is False:
+            self.stand_in.begin_step("local")
+            raise ConfigurationError(
+                f"{self.hook} called the body `self.{self.body_path}` with gradients disabled (torch.no_grad() or "
+                "set_grad_enabled(False)). Under PipeStrategy the body's stages run in the pipeline, which computes "
+                "their gradients whatever the step's grad mode, so its layers would be trained where one process "
+                "leaves them alone. To keep them fixed, freeze them instead (`self.body.requires_grad_(False)`) and "
+                "`.detach()` the body's input if nothing before it should train through it"
+            )
 
     def _refuse_updates_before_body(self, snapshot: Any, counts: Dict[str, int]) -> None:
         """On a process that runs the step up to the body and again whole, state grown before the body would
