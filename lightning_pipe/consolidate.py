@@ -89,12 +89,14 @@ def consolidate(path: Union[str, Path], out: Optional[Union[str, Path]] = None,
     values = _everything(path, contents)
     info = read_info(path)
     order = {key: i for i, key in enumerate(info.get("keys", []))}
-    keys = sorted(contents.model, key=lambda k: (order.get(k, len(order)), k))
+    def in_order(names: Any) -> List[str]:
+        return sorted(names, key=lambda k: (order.get(k, len(order)), k))
+
+    keys = in_order(contents.model)
     state_dict = {key: values[contents.model[key]] for key in keys}
     _retie(state_dict, info.get("aliases", {}))
     # every current weight: a checkpoint hook may have deleted some averaged entries (a frozen weight), not these
-    current = {key: values[contents.current[key]]
-               for key in sorted(contents.current, key=lambda k: (order.get(k, len(order)), k))}
+    current = {key: values[contents.current[key]] for key in in_order(contents.current)}
     _retie(current, info.get("aliases", {}))
     optimizer_states: List[Dict[str, Any]] = []
     for i, entries in enumerate(contents.groups):

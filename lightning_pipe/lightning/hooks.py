@@ -81,8 +81,8 @@ def quiet_prediction_writers(callbacks: List[Callback]) -> List[Callback]:
     Every process of a pipeline gets the same predictions, where each DDP process gets its own shard's: a writer
     naming its files by global rank wrote each prediction once per stage. The first stage's processes have global
     ranks ``0 .. dp_size - 1`` (``stage_index = global_rank // dp_size``), the ranks of DDP's processes on the
-    same shards, so theirs write the files DDP writes. Only the two methods a writer implements are silenced (per instance), not its
-    other hooks.
+    same shards, so theirs write the files DDP writes. Only the two methods a writer implements are silenced (per
+    instance), not its other hooks.
     """
     quiet = [c for c in callbacks if isinstance(c, BasePredictionWriter)]
     for callback in quiet:

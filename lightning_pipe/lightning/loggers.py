@@ -99,15 +99,17 @@ def rank_read() -> None:
         return
     hook, rank, after_body = _watching
     frame, what, depth = sys._getframe(2), "is_global_zero", 3  # above the strategy's property
-    while frame is not None and frame.f_code.co_name in _RANK_GETTERS and frame.f_code.co_filename.startswith(_LIBRARIES):
+    while frame is not None and frame.f_code.co_name in _RANK_GETTERS \
+            and frame.f_code.co_filename.startswith(_LIBRARIES):
         frame, what, depth = frame.f_back, frame.f_code.co_name, depth + 1
     if frame is None or frame.f_code.co_filename.startswith(_LIBRARIES) or not after_body():
         return
     _warned["rank"] = True
     warnings.warn(
-        f"{hook} {'called `self.print`' if what == 'print' else 'read `is_global_zero`'} after the body call. Under PipeStrategy that code runs on the last stage's process "
-        f"(global rank {rank}), not on global rank 0, so what you run on rank 0 only there does not run at all. Do "
-        "it in a hook that runs on every rank (on_train_batch_end / on_validation_batch_end get the step's merged "
-        "outputs), or before the body call, which global rank 0 runs",
+        f"{hook} {'called `self.print`' if what == 'print' else 'read `is_global_zero`'} after the body call. "
+        f"Under PipeStrategy that code runs on the last stage's process (global rank {rank}), not on global rank 0, "
+        "so what you run on rank 0 only there does not run at all. Do it in a hook that runs on every rank "
+        "(on_train_batch_end / on_validation_batch_end get the step's merged outputs), or before the body call, "
+        "which global rank 0 runs",
         stacklevel=depth,  # the user's line
     )

@@ -193,7 +193,7 @@ class SplitModel:
             return
 
         def hook(m: nn.Module, args: tuple) -> None:
-            pending[:] = [(name, p) for name, p in pending if not self._hook_gradient(name, p)]
+            self._hook_trainable(pending)
             if not pending:
                 handle.remove()
 
@@ -203,7 +203,11 @@ class SplitModel:
     def hook_unfrozen(self) -> None:
         """Before a training step: hook the gradients of the LightningModule's own parameters that
         :meth:`_watch_gradients` watches and that were unfrozen since."""
-        self.pending_own[:] = [(name, p) for name, p in self.pending_own if not self._hook_gradient(name, p)]
+        self._hook_trainable(self.pending_own)
+
+    def _hook_trainable(self, pending: List[tuple]) -> None:
+        """Hook those of ``pending`` (``(name, parameter)``) that require grad now; leave the others in it."""
+        pending[:] = [(name, p) for name, p in pending if not self._hook_gradient(name, p)]
 
     def _hook_gradient(self, name: str, p: torch.Tensor) -> bool:
         """Hook ``p``'s gradient to refuse it here (False: it does not require grad yet)."""
@@ -344,19 +348,21 @@ class SplitModel:
         tied = {name for tie in self.ties for name in tie.names}
         return [Tie((name,), tuple(where)) for name, where in sorted(stages.items()) if len(where) > 1 and name not in tied]
 
+    def _outside_parameters(self) -> Iterator[tuple]:
+        """``(module path, name under the LightningModule, canonical name)`` of each parameter outside the body."""
+        for path, m in release.named_outside_body(self.module, self.path):
+            for n, p in m._parameters.items():
+                if p is not None:
+                    name = f"{path}.{n}" if path else n
+                    yield path, name, self.canonical(name)
+
     def trained_on_last(self, tied: Set[str]) -> Set[str]:
         """The parameters outside the body (by name under the LightningModule) whose copies on the last stage stay
         equal to the trained ones (after :meth:`learn_usage`): trained there, or tied (``tied``: canonical names
         whose gradients are summed over the stages using them). The last stage must never overwrite those with
         the first stage's copies, even where another parameter of the same module is refreshed from there."""
-        kept = set()
-        for path, m in release.named_outside_body(self.module, self.path):
-            for n, p in m._parameters.items():
-                name = f"{path}.{n}" if path else n
-                canonical = self.canonical(name)
-                if p is not None and (canonical in tied or self.last_rank in self.users.get(canonical, ())):
-                    kept.add(name)
-        return kept
+        return {name for _, name, canonical in self._outside_parameters()
+                if canonical in tied or self.last_rank in self.users.get(canonical, ())}
 
     def behind_on_first(self, tied: Set[str], called: Sequence[str], own: Optional[Sequence[str]] = None) -> List[str]:
         """The parameters outside the body (by name under the LightningModule) that only the last stage trains and
@@ -369,16 +375,9 @@ class SplitModel:
             own: the LightningModule's own parameters the first stage read (:meth:`own_read`); None: all of them
                 (an evaluation step, whose reads nothing records).
         """
-        behind = []
-        for path, m in release.named_outside_body(self.module, self.path):
-            for n, p in m._parameters.items():
-                name = f"{path}.{n}" if path else n
-                canonical = self.canonical(name)
-                if p is None or canonical in tied or self.users.get(canonical) != {self.last_rank}:
-                    continue
-                if (path in called) if path else (own is None or name in own):
-                    behind.append(name)
-        return behind
+        return [name for path, name, canonical in self._outside_parameters()
+                if canonical not in tied and self.users.get(canonical) == {self.last_rank}
+                and ((path in called) if path else (own is None or name in own))]
 
     def _caller(self, path: str, called: Optional[List[Set[str]]]) -> int:
         """The rank that uses a module outside the body that got no gradient: the first stage's if it called it

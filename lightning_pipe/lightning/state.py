@@ -54,16 +54,19 @@ class HookState(OrderedDict):
         self.model_keys = frozenset(model_keys)
         self.deleted: Set[str] = set()
 
+    def _held_elsewhere(self, key: str) -> bool:
+        return key not in self and key in self.model_keys
+
     def __delitem__(self, key: str) -> None:
-        if key in self or key not in self.model_keys:
-            super().__delitem__(key)
-        else:
+        if self._held_elsewhere(key):
             self.deleted.add(key)
+        else:
+            super().__delitem__(key)
 
     def pop(self, key: str, *default: Any) -> Any:
         """As a dict's; a key of the model this process does not hold is noted and gives ``default`` (else None:
         the value lives on another process)."""
-        if key in self or key not in self.model_keys:
+        if not self._held_elsewhere(key):
             return super().pop(key, *default)
         self.deleted.add(key)
         return default[0] if default else None
