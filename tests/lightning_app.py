@@ -193,7 +193,11 @@ class Writer(BasePredictionWriter):
         torch.save(prediction, os.path.join(self.folder, f"batch_{trainer.global_rank}_{batch_idx}.pt"))
 
     def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
-        torch.save((predictions, batch_indices), os.path.join(self.folder, f"epoch_{trainer.global_rank}.pt"))
+        # collectives among the writers, as multi-process writers use them (a hang under pp x dp before 2026-12-02)
+        trainer.strategy.barrier()
+        written_by = trainer.strategy.broadcast(trainer.global_rank)  # 0 on every writer
+        torch.save((predictions, batch_indices, written_by),
+                   os.path.join(self.folder, f"epoch_{trainer.global_rank}.pt"))
 
 
 def fit_and_save(args) -> None:

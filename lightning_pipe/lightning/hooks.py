@@ -74,25 +74,35 @@ def _write_nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def quiet_prediction_writers(callbacks: List[Callback]) -> List[Callback]:
-    """On a process other than its pipeline's first: every ``BasePredictionWriter`` writes nothing (until
-    :func:`restore_prediction_writers`), and the list of those quieted.
+def route_prediction_writers(callbacks: List[Callback], writes: bool,
+                             among_writers: Callable[[], Any]) -> List[Callback]:
+    """Every ``BasePredictionWriter`` writes on the first stage's processes only, and runs there inside
+    ``among_writers()`` (until :func:`restore_prediction_writers`); the list of the writers routed.
 
     Every process of a pipeline gets the same predictions, where each DDP process gets its own shard's: a writer
     naming its files by global rank wrote each prediction once per stage. The first stage's processes have global
     ranks ``0 .. dp_size - 1`` (``stage_index = global_rank // dp_size``), the ranks of DDP's processes on the
-    same shards, so theirs write the files DDP writes. Only the two methods a writer implements are silenced (per
-    instance), not its other hooks.
+    same shards, so theirs write the files DDP writes (``writes``); elsewhere the writer writes nothing.
+    ``among_writers`` is the strategy's: a ``trainer.strategy.barrier()`` or ``broadcast`` in a writer then runs
+    over the processes that write, as DDP's runs over all of its own, instead of waiting for stages that never
+    call it. Only the two methods a writer implements are replaced (per instance), not its other hooks.
     """
-    quiet = [c for c in callbacks if isinstance(c, BasePredictionWriter)]
-    for callback in quiet:
+    routed = [c for c in callbacks if isinstance(c, BasePredictionWriter)]
+    for callback in routed:
         for name in _WRITES:
-            setattr(callback, name, _write_nothing)
-    return quiet
+            setattr(callback, name, _among(getattr(callback, name), among_writers) if writes else _write_nothing)
+    return routed
 
 
-def restore_prediction_writers(quiet: List[Callback]) -> None:
-    for callback in quiet:
+def _among(write: Callable[..., Any], among_writers: Callable[[], Any]) -> Callable[..., Any]:
+    def among(*args: Any, **kwargs: Any) -> Any:
+        with among_writers():
+            return write(*args, **kwargs)
+    return among
+
+
+def restore_prediction_writers(routed: List[Callback]) -> None:
+    for callback in routed:
         for name in _WRITES:
             callback.__dict__.pop(name, None)
 

@@ -214,7 +214,8 @@ class PipeStrategy(DDPStrategy):
         self._runner: Optional[StepRunner] = None
         self._train_ended = True  # False from the setup of a fit to its on_train_end
         self._showing_whole = False  # the checkpoint hooks are being shown the whole body (lightning_module_state_dict)
-        self._quiet_writers: List[Any] = []  # the prediction writers that write nothing on this process (predict)
+        self._routed_writers: List[Any] = []  # the prediction writers routed to the first stage (predict)
+        self._among_writers = False  # a prediction writer runs: barrier and broadcast over the first stage's replicas
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
         self._groups_of: Optional[dist.ProcessGroup] = None  # the default group pp_group and dp_group were made in
@@ -708,12 +709,13 @@ class PipeStrategy(DDPStrategy):
 
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        if self.pp_size > 1 and self.stage_index != 0:  # one writer per pipeline: see hooks.quiet_prediction_writers
-            self._quiet_writers = hooks.quiet_prediction_writers(self.lightning_module.trainer.callbacks)
+        if self.pp_size > 1:  # one writer per pipeline: see hooks.route_prediction_writers
+            self._routed_writers = hooks.route_prediction_writers(self.lightning_module.trainer.callbacks,
+                                                                  self.stage_index == 0, self._writing)
 
     def on_predict_end(self) -> None:
-        hooks.restore_prediction_writers(self._quiet_writers)
-        self._quiet_writers = []
+        hooks.restore_prediction_writers(self._routed_writers)
+        self._routed_writers = []
         super().on_predict_end()
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -746,13 +748,38 @@ class PipeStrategy(DDPStrategy):
                 "on_train_batch_end, on_validation_epoch_end); self.all_gather and self.log(sync_dist=True) are fine "
                 "in the step (they run over the replicas of the stage)")
 
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A prediction writer runs, on the first stage only: its barrier and broadcast run over that stage's
+        replicas, the processes that write (global ranks ``0 .. dp_size - 1``, DDP's ranks for the same shards)."""
+        self._among_writers = True
+        try:
+            yield
+        finally:
+            self._among_writers = False
+
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._refuse_in_step("trainer.strategy.barrier()")
-        super().barrier(*args, **kwargs)
+        if not self._among_writers:
+            super().barrier(*args, **kwargs)
+        elif self.dp_size > 1:
+            nccl = dist.get_backend(self.dp_group) == "nccl"
+            dist.barrier(group=self.dp_group, device_ids=self.determine_ddp_device_ids() if nccl else None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._refuse_in_step("trainer.strategy.broadcast()")
-        return super().broadcast(obj, src)
+        if not self._among_writers:
+            return super().broadcast(obj, src)
+        if not 0 <= src < self.dp_size:
+            raise ConfigurationError(
+                f"trainer.strategy.broadcast(src={src}) in a prediction writer: under PipeStrategy the writers run on "
+                f"the first stage's {self.dp_size} process(es), global ranks 0 .. {self.dp_size - 1} (DDP's ranks for "
+                "the same data); give a src among them")
+        if self.dp_size == 1:
+            return obj
+        objects = [obj]
+        dist.broadcast_object_list(objects, src, group=self.dp_group)
+        return objects[0]
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         self._refuse_in_step("trainer.strategy.reduce_boolean_decision()")
@@ -873,8 +900,8 @@ class PipeStrategy(DDPStrategy):
         """
         _log.error(rank_prefixed_message(f"stopped: {type(exception).__name__}: {exception}", self.global_rank))
         self._hide_whole()  # a checkpoint hook failed, say
-        hooks.restore_prediction_writers(self._quiet_writers)
-        self._quiet_writers = []
+        hooks.restore_prediction_writers(self._routed_writers)
+        self._routed_writers = []
         super().on_exception(exception)
         self._failed = True  # no gathering in teardown: peers may be gone
         note_failure()
