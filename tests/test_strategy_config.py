@@ -311,6 +311,17 @@ def test_manual_optimization_is_refused():
         _setup(_strategy(2, 2, 0), module)
 
 
+def test_a_backward_override_is_refused_where_the_pipeline_would_skip_it():
+    """The pipeline computes the gradients itself: a LightningModule.backward override would never run (a review
+    probe's `(loss * 3).backward()` trained unlike DDP, without a word)."""
+    class OwnBackward(OneBody):
+        def backward(self, loss, *args, **kwargs):
+            (loss * 3).backward()
+
+    with pytest.raises(ConfigurationError, match="overrides LightningModule.backward"):
+        _setup(_strategy(2, 2, 0), OwnBackward())
+
+
 def test_fp16_loss_scaler_is_shared_by_the_job_in_the_same_state():
     """The plugin's GradScaler becomes a ShardedGradScaler over the world, keeping its settings and scale."""
     from lightning.pytorch.plugins.precision import MixedPrecision

@@ -316,6 +316,12 @@ class PipeStrategy(DDPStrategy):
         if fitting and not module.automatic_optimization:
             raise ConfigurationError("PipeStrategy supports automatic optimization only: the pipeline runs forward and "
                                      "backward inside training_step. Remove `self.automatic_optimization = False`")
+        if fitting and self.pp_size > 1 and hooks.overrides(module, "backward"):
+            raise ConfigurationError(
+                f"{type(module).__name__} overrides LightningModule.backward, which PipeStrategy never calls: the "
+                "pipeline computes each stage's gradients itself, microbatch by microbatch, from the loss the step "
+                "returns (training with the override ignored would differ from DDP). Put what the override does into "
+                "the returned loss (a scale, an extra term) or into on_after_backward, and remove the override")
         if fitting:
             self._refuse_unsupported_callbacks(trainer)
             self._train_ended = False
