@@ -381,3 +381,15 @@ def test_logs_of_several_stages_combine_per_name():
     by_name = {c["name"]: c["value"] for c in calls}
     assert by_name["grad_2.0_norm_total"].item() == 5.0  # sqrt(3^2 + 4^2), the tied copy counted once
     assert by_name["lr"] == 0.1 and by_name["mine"] == 2.0 and disagree == []
+
+
+def test_constants_and_numpy_rows_merge_as_one_step_returns_them():
+    """Review L: a string or flag the step returns whole came back once per microbatch, and `.numpy()` outputs as a
+    list of arrays (np.concatenate of the predictions then failed, or stacked them into the wrong shape)."""
+    import numpy as np
+
+    parts = [{"model": "v1", "flag": True, "rows": np.full((2, 3), i)} for i in range(3)]
+    merged = merge(parts, [2.0, 2.0, 2.0], [2, 2, 2])
+    assert merged["model"] == "v1" and merged["flag"] is True
+    assert merged["rows"].shape == (6, 3) and (merged["rows"][2:4] == 1).all()
+    assert merge(["a", "b"], [1.0, 1.0], [1, 1]) == ["a", "b"]  # not one value: one per microbatch, as before

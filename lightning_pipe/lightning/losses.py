@@ -37,6 +37,11 @@ import torch.nn.functional as F
 
 from lightning_pipe.errors import ConfigurationError
 
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+    np = None
+
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
@@ -376,6 +381,11 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
         if all(len(v) == len(first) for v in values):  # a step returning (predictions, targets)
             return tuple(merge([v[i] for v in values], weights, sizes, f"{key}[{i}]", predictions, shapes)
                          for i in range(len(first)))
+    if all(isinstance(v, (str, bytes, bool)) and v == first for v in values):  # a constant ("v1", a flag): as one step
+        return first
+    if np is not None and all(isinstance(v, np.ndarray) and v.ndim > 0 and v.shape[0] == n and v.shape[1:] == first.shape[1:]
+           for v, n in zip(values, sizes)):  # per-sample rows, as a `.numpy()` of the output
+        return np.concatenate(values)
     return list(values)
 
 
