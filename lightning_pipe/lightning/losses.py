@@ -383,9 +383,9 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
                          for i in range(len(first)))
     if all(isinstance(v, (str, bytes, bool)) and v == first for v in values):  # a constant ("v1", a flag): as one step
         return first
-    if np is not None and all(isinstance(v, np.ndarray) and v.ndim > 0 and v.shape[0] == n and v.shape[1:] == first.shape[1:]
-           for v, n in zip(values, sizes)):  # per-sample rows, as a `.numpy()` of the output
-        return np.concatenate(values)
+    arrays = np is not None and all(isinstance(v, np.ndarray) and v.ndim > 0 for v in values)
+    if arrays and all(v.shape[0] == n and v.shape[1:] == first.shape[1:] for v, n in zip(values, sizes)):
+        return np.concatenate(values)  # per-sample rows, as a `.numpy()` of the output
     return list(values)
 
 
