@@ -269,6 +269,28 @@ def test_a_mean_over_a_selection_empty_in_a_microbatch_is_warned_about_and_folds
         _record(Module(), lambda module, i, size: module.log("nan", torch.tensor(nan)) or _loss(i))  # NaN everywhere
 
 
+def test_a_metric_value_logged_as_a_tensor_logs_the_metric_over_the_whole_batch():
+    """Regression (review): `self.log("f1", self.f1(preds, y))` logs the value the Metric's forward returned
+    for the microbatch; their size-weighted mean is no F1 score over the batch, which one step logs."""
+    torch.manual_seed(0)
+    preds, target = torch.rand(10), torch.randint(0, 2, (10,))
+    bounds = [0, 4, 7, 10]
+
+    def step(module, i, size):
+        part = slice(bounds[i], bounds[i + 1])
+        module.log("f1", module.f1(preds[part], target[part]))
+        module.log("f1_scaled", module.f1(preds[part], target[part]) * 100)  # no Metric's value: folded as a number
+        return _loss(i)
+
+    module = Module()
+    calls = {c["name"]: c for c in _record(module, step)}
+    whole = BinaryF1Score()(preds, target)
+    torch.testing.assert_close(calls["f1"]["value"], whole)
+    assert not torch.allclose(calls["f1_scaled"]["value"], whole * 100)
+    torch.testing.assert_close(module.f1.compute(), BinaryF1Score()(torch.cat([preds, preds]),
+                                                                    torch.cat([target, target])))
+
+
 def _fold_steps(step, steps):
     """Fold the calls of several steps of one recorder (``steps``: each step's microbatch sizes)."""
     recorder = LogRecorder(Module(), "body")
@@ -310,3 +332,17 @@ def test_counts_that_once_differed_between_microbatches_stay_counts_when_they_ha
     first, second = _fold_steps(step, [[3, 3, 2], [3, 3, 2]])
     assert (first["acc"]["batch_size"], second["acc"]["batch_size"]) == (6, 6)
     torch.testing.assert_close(second["acc"]["value"], torch.tensor(1 / 3))
+
+
+def test_a_constant_batch_size_taken_for_a_count_weighs_every_step_alike():
+    """Regression (review): batch_size=7 in every microbatch, neither a microbatch's size nor the batch's,
+    logged 14 (a count: 7 + 7) on batches split evenly and 7 on a short batch split 3 + 2, so the epoch
+    mean weighed that batch half as much as one step over each batch does (7 each)."""
+    values = [0.2, 0.8]
+
+    def step(module, i, size):
+        module.log("acc", torch.tensor(values[i]), batch_size=7)
+
+    first, short, again = _fold_steps(step, [[5, 5], [3, 2], [5, 5]])
+    assert (first["acc"]["batch_size"], short["acc"]["batch_size"], again["acc"]["batch_size"]) == (14, 14, 14)
+    torch.testing.assert_close(short["acc"]["value"], torch.tensor((0.2 * 3 + 0.8 * 2) / 5))  # by sample

@@ -94,8 +94,9 @@ class LogRecorder:
         self._called: List[set] = []  # per microbatch: the paths of the Metrics it called
         self._step_states: Dict[str, tuple] = {}  # per Metric: its state over this step's calls alone
         self._metric_paths: Dict[int, str] = {}
-        self._constant_batch_size: set = set()  # names seen logged with the batch's size as batch_size
-        self._counted_batch_size: set = set()  # names seen logged with batch_sizes that differ between microbatches
+        # per name logged with batch_size: what its number is (see _fold_one), decided by the first step that
+        # could tell and kept, so that every step of an epoch is weighed alike
+        self._batch_size_kind: Dict[str, str] = {}
         # Metrics logged on step, and off step (epoch values, validation's default): only a Metric never
         # logged on step and seen logged off step is not followed (its calls need no step state)
         self._on_step: set = set()
@@ -158,6 +159,7 @@ class LogRecorder:
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if is_recomputing() or not self._calls:
             return
+        forward_of = self._forward_of(value)
         value = unmark(value, f"logged as {name!r}")
         call = bind_log_call(name, value, *args, **kwargs)
         if isinstance(value, Metric):
@@ -166,10 +168,22 @@ class LogRecorder:
         else:
             call["value"] = _detach(value)
             call["source"] = value  # until mark_loss: is this the loss the step returns?
+            if forward_of is not None:
+                call["forward_of"] = forward_of
             count = self.count_of(value) if isinstance(value, torch.Tensor) else None
             if count is not None:
                 call["count"] = float(count)
         self._calls[-1].append(call)
+
+    def _forward_of(self, value: Any) -> Optional[str]:
+        """The path of the Metric whose ``forward`` returned ``value`` in this microbatch (its value over the
+        microbatch, ``self.log("acc", self.acc(logits, y))``), if any."""
+        if not isinstance(value, torch.Tensor):
+            return None
+        for path in self._called[-1]:
+            if self.module.get_submodule(path)._forward_cache is value:
+                return path
+        return None
 
     def mark_loss(self, loss: Optional[torch.Tensor]) -> None:
         """Mark the current microbatch's calls that log the loss its step returned (``loss`` or its value)."""
@@ -200,15 +214,17 @@ class LogRecorder:
         total = sum(sizes)
         folded = []
         for (name, _), entries in by_name.items():
-            call, constant = _fold_one(entries, loss_weights, total, name in self._constant_batch_size,
-                                       name in self._counted_batch_size)
-            given = [c["batch_size"] for _, _, c in entries]
-            if any(g is not None and bool(g != given[0]) for g in given):  # a count per microbatch, for good
-                self._counted_batch_size.add(name)
-                self._constant_batch_size.discard(name)
-            elif constant and len(entries) > 1:  # one microbatch cannot tell: its batch_size is the batch's anyway
-                self._constant_batch_size.add(name)
+            call, kind = _fold_one(entries, loss_weights, total, self._batch_size_kind.get(name))
+            if kind is not None and len(entries) > 1:  # one microbatch cannot tell: its batch_size is the batch's
+                self._batch_size_kind[name] = kind
             value = call["value"]
+            forward_of = {c.get("forward_of") for _, _, c in entries}
+            if len(forward_of) == 1 and None not in forward_of and len(entries) > 1:
+                # a Metric's value over each microbatch: one step over the batch logs its value over the batch,
+                # which no fold of the microbatches' values gives (a macro average, an F1 score)
+                batch_value = self._batch_value(forward_of.pop())
+                if batch_value is not None and batch_value.shape == value.shape:
+                    call["value"] = batch_value.to(value.device, value.dtype)
             if isinstance(value, tuple) and value and value[0] == "metric":
                 if call["on_step"] if call["on_step"] is not None else on_step_by_default:
                     self._on_step.add(value[1])
@@ -303,33 +319,46 @@ def _is_value_of(source: Any, loss: torch.Tensor) -> bool:
 
 
 def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Optional[Sequence[float]],
-              total: int, constant_before: bool = False, counted_before: bool = False) -> Tuple[Dict[str, Any], bool]:
-    """One call from a name's calls in several microbatches (``total``: the batch's size), and whether
-    their ``batch_size`` is the batch's size rather than a count per microbatch.
+              total: int, kind_before: Optional[str] = None) -> Tuple[Dict[str, Any], Optional[str]]:
+    """One call from a name's calls in several microbatches (``total``: the batch's size), and what the
+    ``batch_size`` they give is (None when they give none).
 
     A value that is a mean-reduced ``cross_entropy``/``nll_loss`` output in every call, logged
     without ``batch_size``, is weighted by the targets each averaged over (:class:`.losses.MeanTargets`).
-    A ``batch_size`` given with the calls weighs them: a count per microbatch (tokens, items)
-    when it varies between microbatches; the batch's size, which every microbatch passes alike
-    (``batch_size=self.hparams.batch_size``), when it is the same in every call and equals the
-    batch's size, or the microbatches' sizes differ, or an earlier step showed it
-    (``constant_before``: a short last batch split evenly cannot tell), unless an earlier step
-    showed a count (``counted_before``: numbers that differed between its microbatches, so
-    counts that happen to be equal are not taken for the batch's size). Then the microbatch
-    sizes weigh the values and the folded call keeps the given number, as one step over the
-    batch logs it.
+    A ``batch_size`` given with the calls is one of three kinds:
+
+    - ``"counted"``: a count per microbatch (tokens, items kept), shown by numbers that differ
+      between the microbatches of this step or an earlier one. The counts weigh the values, and
+      the folded call logs their sum, the batch's count.
+    - ``"batch"``: the batch's number, which every microbatch passes alike
+      (``batch_size=self.hparams.batch_size``): equal in every call, and equal to the batch's size
+      or given by microbatches whose sizes differ. The microbatch sizes weigh the values, and the
+      folded call logs the number, as one step over the batch does.
+    - ``"summed"``: equal in every call of a first step that cannot tell the two apart (microbatches
+      of one size; ``len(x)`` in each, or equal token counts): the folded call logs the sum, the
+      batch's count. Later steps keep logging the sum of the numbers given, even one whose sizes
+      differ (which then weigh the values), so that a constant taken for a count at first still
+      weighs every step of the epoch alike.
+
+    ``kind_before``: the kind an earlier step showed; a kind once seen is kept, except that numbers
+    that differ make a count of it for good.
     """
     sizes = [size for _, size, _ in entries]
     calls = [call for _, _, call in entries]
-    folded = {k: v for k, v in calls[-1].items() if k not in ("is_loss", "source", "count")}
+    folded = {k: v for k, v in calls[-1].items() if k not in ("is_loss", "source", "count", "forward_of")}
     given = [c["batch_size"] for c in calls]
-    constant = False
+    kind = None
     by_samples = True  # weighted by the microbatches' sizes, for want of a count
     if given[-1] is not None:
-        constant = not counted_before and all(g == given[0] for g in given) \
-            and (given[0] == total or len(set(sizes)) > 1 or constant_before)
-        if not constant:
+        if kind_before == "counted" or any(bool(g != given[0]) for g in given):
+            kind = "counted"
+        elif kind_before is not None:
+            kind = kind_before
+        else:
+            kind = "batch" if given[0] == total or len(set(sizes)) > 1 else "summed"
+        if kind != "batch":
             folded["batch_size"] = sum(given)
+        if kind == "counted":
             sizes, by_samples = given, False
     value = calls[-1]["value"]
     reduce_fx = calls[-1]["reduce_fx"]
@@ -346,7 +375,7 @@ def _fold_one(entries: List[Tuple[int, int, Dict[str, Any]]], loss_weights: Opti
     elif isinstance(value, (torch.Tensor, int, float)):
         folded["value"] = _reduce([c["value"] for c in calls], sizes, reduce_fx,
                                   folded["name"] if by_samples else None)
-    return folded, constant
+    return folded, kind
 
 
 def _warn_if_empty_somewhere(name: str, stacked: torch.Tensor) -> None:
