@@ -416,7 +416,10 @@ class Mixup(NoiseBase):
 
 
 class FrozenStart(LlamaStyle):
-    """Fine-tuning: the embedding and the first two blocks are frozen, so stage 0 of 2 trains nothing."""
+    """Fine-tuning: the embedding and the first two blocks are frozen, so stage 0 of 2 trains nothing. Block 2
+    and the final norm are trainable but given to no optimizer: their gradients add up over the steps."""
+
+    UNOPTIMIZED = ("layers.2.", "norm.")
 
     def __init__(self) -> None:
         super().__init__()
@@ -424,7 +427,13 @@ class FrozenStart(LlamaStyle):
         self.layers[:2].requires_grad_(False)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+        return torch.optim.AdamW([p for n, p in self.named_parameters()
+                                  if p.requires_grad and not n.startswith(self.UNOPTIMIZED)], lr=self.lr)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # what they add up to by the last training batch (on_validation_model_zero_grad frees them before validation)
+        self.unoptimized_grads = {n: p.grad.detach().cpu().clone() for n, p in self.named_parameters()
+                                  if n.startswith(self.UNOPTIMIZED) and p.grad is not None}
 
 
 class TokenMix(nn.Module):
@@ -816,6 +825,8 @@ def run(spec: dict, root: str) -> dict:
     draws = getattr(model, "draws", None)
     if draws is not None:
         torch.save(draws, os.path.join(root, f"draws_{name}_{rank}.pt"))
+    if isinstance(model, FrozenStart):
+        torch.save(model.unoptimized_grads, os.path.join(root, f"unoptimized_grads_{name}_{rank}.pt"))
     if not trainer.is_global_zero:
         return {}
     with open(os.path.join(root, name, "version_0", "metrics.csv")) as f:

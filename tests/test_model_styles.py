@@ -8,6 +8,7 @@ with positional arguments and returning tuples, ALBERT-style blocks shared acros
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -110,6 +111,22 @@ def test_a_stage_without_trainable_parameters_trains_as_under_ddp(lm_runs, name)
     """Regression: a stage of frozen layers (stage 0 of a fine-tuning run) or of parameter-free
     layers (balance [4, 2]) made torch refuse the empty optimizer on that rank only."""
     assert_same_training(lm_runs("world2")[0][f"{name}_p2"], lm_runs("reference")[0][name])
+
+
+def test_gradients_no_optimizer_holds_add_up_over_the_steps_as_under_ddp(lm_runs):
+    """Regression (review): PipeStrategy dropped every gradient present before the first step of an
+    accumulation window, where Lightning zeroes only the optimizer's parameters; a trainable parameter
+    given to no optimizer lost what it had accumulated, every step."""
+    _, root, _ = lm_runs("world2")
+    _, reference_root, _ = lm_runs("reference")
+    want = torch.load(os.path.join(reference_root, "unoptimized_grads_frozen_0.pt"))
+    got = {}
+    for rank in range(2):
+        for name, grad in torch.load(os.path.join(root, f"unoptimized_grads_frozen_p2_{rank}.pt")).items():
+            assert name not in got, f"{name} has a gradient on both stages"
+            got[name] = grad
+    assert sorted(want) == sorted(got) and any(n.startswith("norm.") for n in want) and len(want) > 1
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("name", ["llama_2x2", "llama_2x2zbh2"])  # ZB-H1; ZB-H2 with checkpoint="except_last"

@@ -492,7 +492,11 @@ class PipeStrategy(DDPStrategy):
             parameters = list(module.parameters())
             earlier = gradients.take_grads(parameters)
             if self._zeroed_after_step(module.trainer):
-                earlier = {}  # stale: Lightning zeroes them after this step; freed now, before new ones exist
+                # stale: Lightning zeroes the optimizers' after this step; freed now, before new ones exist. A
+                # parameter no optimizer holds keeps adding up its gradients, as under DDP
+                held = {id(p) for optimizer in module.trainer.optimizers for group in optimizer.param_groups
+                        for p in group["params"]}
+                earlier = {p: grad for p, grad in earlier.items() if id(p) not in held}
             self._refresh_stale_copies(training=True)
             if self.split.pending_own:
                 self.split.hook_unfrozen()
