@@ -328,6 +328,19 @@ class SumRegression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.002)
 
 
+class GradientPenalty(SumRegression):
+    """A WGAN-GP-style penalty: the gradient of the body's output with respect to its input (refused)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        out = self.body(x)
+        (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = F.mse_loss(out, y, reduction="sum") + (slope.norm(dim=1) - 1).pow(2).sum()
+        self.log("train_loss", loss)
+        return loss
+
+
 class Experts(SumRegression):
     """Two experts, each sample routed to one by its target (a mixture of experts in miniature), after
     the body or before it: an expert no sample of a batch routes to is not called, so replicas and
@@ -706,7 +719,7 @@ CASES = {
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"),
     "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
-    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
+    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "penalty": (GradientPenalty, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
     "unbalanced_pair": (lambda: Unbalanced(mixes=2), "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
@@ -793,7 +806,7 @@ def run(spec: dict, root: str) -> dict:
             pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
             schedule=spec.get("schedule", "1f1b"), virtual_stages=spec.get("virtual_stages"),
             checkpoint=spec.get("checkpoint", "never"),
-            loss_reduction="sum" if spec["case"] in ("sum", "experts", "experts_before") else "mean", body=spec.get("body"), balance=spec.get("balance"),
+            loss_reduction="sum" if spec["case"] in ("sum", "experts", "experts_before", "penalty") else "mean", body=spec.get("body"), balance=spec.get("balance"),
             state_dict_type=spec.get("state_dict_type"),
         )
     else:
