@@ -27,6 +27,18 @@ def _final_loss(result):
     return float([row["train_loss"] for row in result["csv"] if row.get("train_loss")][-1])
 
 
+def _refused_on_every_rank(tmp_path_factory, case, error, **spec):
+    """Launch ``case`` on two processes; check that both stopped, quickly, with ``error``; return the output."""
+    code, seconds, survivors, output = launch_lm_app(
+        tmp_path_factory, case, [dict(name=case, case=case, strategy="pipe", devices=2, **spec)],
+        expect_failure=True, timeout=120,
+    )
+    assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
+    reasons = stop_reasons(output)
+    assert sorted(reasons) == [0, 1] and all(error in r for r in reasons.values()), output[-4000:]
+    return output
+
+
 # -- 1, 2: one draw per microbatch, the same on every stage that runs the step ------------------
 @pytest.mark.parametrize("launch, name, first, last", [
     ("world2", "denoise_p2", [0], [1]),  # GPipe
@@ -65,13 +77,7 @@ def test_a_summed_cross_entropy_under_loss_reduction_mean_is_refused_on_every_ra
     """Regression: the step's ``F.cross_entropy(..., reduction="sum")`` under the default
     ``loss_reduction="mean"`` was weighted by each microbatch's share of the batch, a quarter of one
     process's loss with 4 microbatches, and trained on without a word."""
-    code, seconds, survivors, output = launch_lm_app(
-        tmp_path_factory, "summed_ce", [dict(name="summed_ce", case="summed_ce", strategy="pipe", devices=2)],
-        expect_failure=True, timeout=120,
-    )
-    assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
-    reasons = stop_reasons(output)
-    assert sorted(reasons) == [0, 1] and all("ConfigurationError" in r for r in reasons.values()), output[-4000:]
+    output = _refused_on_every_rank(tmp_path_factory, "summed_ce", "ConfigurationError")
     assert "training_step returned the output of a cross_entropy/nll_loss call with reduction='sum' as its loss, " \
            "but PipeStrategy(loss_reduction='mean')" in output, output[-4000:]
     assert "Pass PipeStrategy(loss_reduction='sum')" in output
@@ -80,27 +86,14 @@ def test_a_summed_cross_entropy_under_loss_reduction_mean_is_refused_on_every_ra
 def test_blocks_called_under_no_grad_in_a_training_step_are_refused_on_every_rank(tmp_path_factory):
     """Regression (review): a step running the body under torch.no_grad() (a frozen feature extractor) trained the
     last stage's layers, which the pipeline runs with gradients whatever the step's grad mode."""
-    code, seconds, survivors, output = launch_lm_app(
-        tmp_path_factory, "no_grad_blocks", [dict(name="no_grad_blocks", case="no_grad_blocks", strategy="pipe",
-                                                  devices=2)],
-        expect_failure=True, timeout=120,
-    )
-    assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
-    reasons = stop_reasons(output)
-    assert sorted(reasons) == [0, 1] and all("ConfigurationError" in r for r in reasons.values()), output[-4000:]
+    output = _refused_on_every_rank(tmp_path_factory, "no_grad_blocks", "ConfigurationError")
     assert "training_step called the body `self.layers` with gradients disabled" in output, output[-4000:]
 
 
 def test_a_gradient_with_respect_to_the_bodys_input_is_refused_on_every_rank(tmp_path_factory):
     """Regression (review): `torch.autograd.grad(out.sum(), x)` for a gradient penalty or a saliency map got zeros
     (allow_unused) or an unnamed autograd error on the last stage, whose body output is not computed from x."""
-    code, seconds, survivors, output = launch_lm_app(
-        tmp_path_factory, "penalty", [dict(name="penalty", case="penalty", strategy="pipe", devices=2)],
-        expect_failure=True, timeout=120,
-    )
-    assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
-    reasons = stop_reasons(output)
-    assert sorted(reasons) == [0, 1] and all("BodyCallError" in r for r in reasons.values()), output[-4000:]
+    output = _refused_on_every_rank(tmp_path_factory, "penalty", "BodyCallError")
     assert "the body's input (input 0) asks for a gradient with respect to itself" in output, output[-4000:]
 
 
@@ -266,13 +259,7 @@ def test_a_counter_in_the_step_is_warned_about_once(lm_runs):
 def test_an_ema_teacher_updated_in_the_step_is_refused_on_every_rank(tmp_path_factory, case, updated):
     """``ema_late`` updates an EMA of a module after the body from step 2 on. Regression: checked on
     the first step only, it trained on, the EMA updated once per microbatch on the last stage."""
-    code, seconds, survivors, output = launch_lm_app(
-        tmp_path_factory, case, [dict(name=case, case=case, strategy="pipe", devices=2, body="body")],
-        expect_failure=True, timeout=120,
-    )
-    assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
-    reasons = stop_reasons(output)
-    assert sorted(reasons) == [0, 1] and all("SideEffectError" in r for r in reasons.values()), output[-4000:]
+    output = _refused_on_every_rank(tmp_path_factory, case, "SideEffectError", body="body")
     assert f"SideEffectError: training_step changed ['{updated}'," in output, output[-4000:]
     assert "Move it to a hook that runs once per batch on every rank" in output
 
