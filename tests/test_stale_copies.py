@@ -11,6 +11,7 @@ embedding before the body every step, updates a metric with it and returns it.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
@@ -361,7 +362,7 @@ def main(kind: str, root: str, out: str) -> None:
             self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
             self.head = nn.Linear(8, 1)
             self.norms = torchmetrics.MeanMetric()
-            self.kept = []
+            self.kept, self.epoch_end_reads = [], []
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -391,6 +392,9 @@ def main(kind: str, root: str, out: str) -> None:
         def on_train_epoch_end(self):
             self.log("kept_mean", torch.stack(self.kept).mean())  # the last stage's list, handed to every stage
             self.kept.clear()
+            # what a monitor reads on every rank (EarlyStopping on a weight), with no validation just before
+            self.epoch_end_reads.append(torch.stack([self.embed.weight.sum(), self.temp, self.head.weight.sum()])
+                                        .detach().cpu())
 
         def validation_step(self, batch, batch_idx):
             x, y = batch
@@ -419,10 +423,12 @@ def main(kind: str, root: str, out: str) -> None:
     seen = Seen()
     trainer = pl.Trainer(accelerator="cpu", devices=2 if kind == "pipe" else 1, strategy=strategy, max_epochs=2,
                          callbacks=[seen], logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=root)
+                         enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=root,
+                         check_val_every_n_epoch=2)
     model = Model()
     loader = torch.utils.data.DataLoader(data, batch_size=6)
     trainer.fit(model, loader, torch.utils.data.DataLoader(data, batch_size=12))
+    torch.save(torch.stack(model.epoch_end_reads), os.path.join(root, f"epoch_end_reads_{trainer.global_rank}.pt"))
     if trainer.is_global_zero:
         metrics = {k: v.cpu() for k, v in trainer.callback_metrics.items()}
         torch.save({"steps": torch.stack(seen.steps), "metrics": metrics,
@@ -449,3 +455,16 @@ def test_values_of_the_embedding_logged_and_returned_before_the_body_match_ddp(l
         torch.testing.assert_close(got["metrics"][key], value, msg=lambda m: f"{key}: {m}")
     for key, value in want["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][key], value, msg=lambda m: f"{key}: {m}")
+
+
+def test_epoch_end_hooks_read_every_stages_trained_values(lm_runs):
+    """Regression (review): with no validation before on_train_epoch_end, each stage read its own copies of what
+    another stage trains (the last stage its untrained `embed`, the first its untrained `temp` and `head`), so an
+    EarlyStopping on such a value stopped at epoch 2 instead of 4."""
+    _, reference_root, _ = lm_runs("reference")
+    _, root, _ = lm_runs("world2")
+    want = torch.load(os.path.join(reference_root, "test_stale_copies_ddp", "epoch_end_reads_0.pt"))
+    assert want.shape == (2, 3)
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(os.path.join(root, "test_stale_copies_pipe", f"epoch_end_reads_{rank}.pt")),
+                                   want, msg=lambda m: f"rank {rank}: {m}")

@@ -3,7 +3,8 @@
 - :class:`BodySwap`: ``on_fit_start`` callbacks (the model summary) see the unsplit body; the learning rate
   finder, which trains in its ``on_fit_start``, the split one.
 - :class:`StepState`: before epoch-end hooks, the attributes the last stage's steps built are
-  handed to the other stages, so ``on_validation_epoch_end`` computes the same on every rank.
+  handed to the other stages, so ``on_validation_epoch_end`` computes the same on every rank; before
+  ``on_train_epoch_end``, each stage's copies of what another stage trains are refreshed too.
 - :func:`combine_stage_logs`: what ``on_before_optimizer_step`` and ``on_after_backward`` hooks
   log on each stage is gathered over the pipeline and combined per name (Lightning's
   ``grad_norm`` made whole-model), then logged on every rank.
@@ -55,6 +56,9 @@ class StepState(Callback):
         self.strategy = strategy
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        # hooks and monitors read the whole model here (EarlyStopping on a weight's norm): the copies of modules
+        # another stage trains are refreshed, as before evaluation; a no-op where a validation just did it
+        self.strategy.refresh_stale_copies()
         self.strategy.share_step_state()
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:

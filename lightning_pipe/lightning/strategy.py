@@ -631,6 +631,11 @@ class PipeStrategy(DDPStrategy):
         self._pipeline.sync_replicas_of(self.dp_group, trained)
         self._overlapped = {id(p) for p in trained}
 
+    def refresh_stale_copies(self) -> None:
+        """Before hooks that may read any parameter: every stage's copies of what another stage trains, as before
+        evaluation (see :mod:`.stale`)."""
+        self._refresh_stale_copies(training=False)
+
     def _refresh_stale_copies(self, training: bool) -> None:
         if self._stale is not None:
             self._stale.refresh(self._pipeline.transport, self.split.first_rank, self.split.last_rank, training)
