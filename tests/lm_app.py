@@ -341,6 +341,16 @@ class GradientPenalty(SumRegression):
         return loss
 
 
+class WarmupInStep(SumRegression):
+    """A learning-rate warm-up written into the optimizer from training_step, after the body (refused)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        for group in self.optimizers().param_groups:
+            group["lr"] = 0.002 * min(1.0, (self.global_step + 1) / 10)
+        return loss
+
+
 class Experts(SumRegression):
     """Two experts, each sample routed to one by its target (a mixture of experts in miniature), after
     the body or before it: an expert no sample of a batch routes to is not called, so replicas and
@@ -719,7 +729,8 @@ CASES = {
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"),
     "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
-    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "penalty": (GradientPenalty, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
+    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "penalty": (GradientPenalty, "regression"),
+    "warmup_in_step": (WarmupInStep, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
     "unbalanced_pair": (lambda: Unbalanced(mixes=2), "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
@@ -806,7 +817,7 @@ def run(spec: dict, root: str) -> dict:
             pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
             schedule=spec.get("schedule", "1f1b"), virtual_stages=spec.get("virtual_stages"),
             checkpoint=spec.get("checkpoint", "never"),
-            loss_reduction="sum" if spec["case"] in ("sum", "experts", "experts_before", "penalty") else "mean", body=spec.get("body"), balance=spec.get("balance"),
+            loss_reduction="sum" if spec["case"] in ("sum", "experts", "experts_before", "penalty", "warmup_in_step") else "mean", body=spec.get("body"), balance=spec.get("balance"),
             state_dict_type=spec.get("state_dict_type"),
         )
     else:

@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 
-from lightning_pipe import BodyCallError, ConfigurationError
+from lightning_pipe import BodyCallError, ConfigurationError, SideEffectError
 from lightning_pipe.lightning.body import refuse_input_gradients
-from lightning_pipe.lightning.effects import StepEffects
+from lightning_pipe.lightning.effects import StepEffects, optimizer_settings, refuse_changed_settings
 from lightning_pipe.lightning.logs import combine_stages
 from lightning_pipe.lightning.losses import LossAccount, Shapes, merge
 from lightning_pipe.lightning.stale import mark
@@ -262,6 +262,35 @@ def test_an_ema_teacher_updated_in_the_step_is_refused_on_every_rank(tmp_path_fa
     output = _refused_on_every_rank(tmp_path_factory, case, "SideEffectError", body="body")
     assert f"SideEffectError: training_step changed ['{updated}'," in output, output[-4000:]
     assert "Move it to a hook that runs once per batch on every rank" in output
+
+
+def test_a_learning_rate_set_in_the_step_is_refused_on_every_rank(tmp_path_factory):
+    """Regression (review): a warm-up writing param_groups' lr after the body changed it on the last stage only (the
+    first stage trained on at the old rate), and a scheduler stepped in the step stepped once per microbatch."""
+    output = _refused_on_every_rank(tmp_path_factory, "warmup_in_step", "SideEffectError")
+    assert "training_step changed optimizer 0 param group 0: lr 0.002 -> 0.0002" in output, output[-4000:]
+    assert "a learning-rate scheduler from configure_optimizers" in output
+
+
+def test_a_scheduler_stepped_or_an_optimizer_added_in_the_step_is_found():
+    from types import SimpleNamespace
+
+    optimizer = torch.optim.AdamW([torch.zeros(2, requires_grad=True)], lr=torch.tensor(0.1))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)
+    trainer = SimpleNamespace(optimizers=[optimizer], lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+    before = optimizer_settings(trainer)
+    refuse_changed_settings("training_step", before, trainer)  # nothing changed: a tensor lr equal to itself
+    scheduler.step()  # no new rate before step 100, but a step too many
+    with pytest.raises(SideEffectError, match=r"lr scheduler 0: last_epoch 0 -> 1; lr scheduler 0: _step_count 1 -> 2"):
+        refuse_changed_settings("training_step", before, trainer)
+    before = optimizer_settings(trainer)
+    optimizer.param_groups[0]["lr"].fill_(0.5)  # in place, as a capturable optimizer's tensor rate is changed
+    with pytest.raises(SideEffectError, match="optimizer 0 param group 0: lr"):
+        refuse_changed_settings("training_step", before, trainer)
+    before = optimizer_settings(trainer)
+    optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+    with pytest.raises(SideEffectError, match="training_step changed the optimizers"):
+        refuse_changed_settings("training_step", before, trainer)
 
 
 def test_step_effects_tell_state_built_in_the_step_from_side_effects():

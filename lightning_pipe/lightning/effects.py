@@ -13,6 +13,10 @@ and whole on the last one. Two consequences are handled here.
   :class:`~lightning_pipe.errors.SideEffectError`, checked after the first run of each kind of step
   and after every whole step (an update that starts late); a number attribute changed by the step
   (a counter) or a list it appends to gets a one-time warning on the first step of each kind.
+- **Optimizer settings** (a learning rate written into ``param_groups``, ``scheduler.step()``)
+  changed by a training step would change once per microbatch, and only on the stages that ran
+  that code, never on the middle ones: :func:`refuse_changed_settings` raises
+  :class:`~lightning_pipe.errors.SideEffectError` (checked after every training step).
 - **Buffers of submodules updated in their forward** (a running count, an EMA codebook as in a
   VQ-VAE) are updated once per microbatch, ``num_microbatches`` times per step instead of once:
   inherent to microbatching. :class:`BufferWatch` compares every buffer of the module this rank
@@ -258,3 +262,52 @@ class BufferWatch:
                 "are left out here: PipeStrategy(deferred_batch_norm=True) updates them once per batch.)",
             )
         return changed
+
+
+def optimizer_settings(trainer: Any) -> List[Tuple[str, Dict[str, Any]]]:
+    """What a training step must leave alone: each param group's settings (``lr``, ``momentum``, ...) of each
+    optimizer, and each learning-rate scheduler's step count, as ``(where, settings)`` pairs."""
+    copy = lambda value: value.detach().clone() if isinstance(value, torch.Tensor) else value  # noqa: E731
+    settings = [(f"optimizer {i} param group {j}", {k: copy(v) for k, v in group.items() if k != "params"})
+                for i, optimizer in enumerate(trainer.optimizers) for j, group in enumerate(optimizer.param_groups)]
+    settings += [(f"lr scheduler {i}", {k: getattr(config.scheduler, k) for k in ("last_epoch", "_step_count")
+                                        if hasattr(config.scheduler, k)})
+                 for i, config in enumerate(trainer.lr_scheduler_configs)]
+    return settings
+
+
+def refuse_changed_settings(hook: str, before: List[Tuple[str, Dict[str, Any]]], trainer: Any) -> None:
+    """After a step: refuse a change of :func:`optimizer_settings` since ``before``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> trainer = SimpleNamespace(optimizers=[optimizer], lr_scheduler_configs=[])
+        >>> before = optimizer_settings(trainer)
+        >>> optimizer.param_groups[0]["lr"] = 0.05
+        >>> refuse_changed_settings("training_step", before, trainer)
+        Traceback (most recent call last):
+        ...
+        lightning_pipe.errors.SideEffectError: training_step changed optimizer 0 param group 0: lr 0.1 -> 0.05. ...
+    """
+    after = dict(optimizer_settings(trainer))
+    changes = []
+    for where, settings in before:
+        now = after.get(where, {})
+        changes += [f"{where}: {key} {value} -> {now.get(key)}" for key, value in settings.items()
+                    if not _same(value, now.get(key))]
+    if changes or len(after) != len(before):
+        raise SideEffectError(
+            f"{hook} changed {'; '.join(changes) or 'the optimizers'}. Under PipeStrategy the step runs once per "
+            "microbatch: the code before the body call on the first and the last stage, the rest on the last stage "
+            "only, and none of it on the stages between, so their optimizers would keep the old settings and a "
+            "scheduler would step once per microbatch. Set them where Lightning does it once per batch on every "
+            "rank: a learning-rate scheduler from configure_optimizers (interval='step' for a warm-up), or the "
+            "optimizer_step or on_train_batch_start hook"
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a is b or a == b

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from lightning_pipe import rng
-from lightning_pipe.checkpoint import should_checkpoint
+from lightning_pipe.checkpoint import is_recomputing, should_checkpoint
 from lightning_pipe.errors import ConfigurationError, SideEffectError
 from lightning_pipe.lightning import loggers, release
 from lightning_pipe.lightning.body import BodyReached, StandIn
-from lightning_pipe.lightning.effects import StepEffects
+from lightning_pipe.lightning.effects import StepEffects, refuse_changed_settings
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
 from lightning_pipe.lightning.losses import LossAccount, MeanTargets, Shapes, loss_of, merge
 from lightning_pipe.lightning.stale import StaleCopies, unmark
@@ -62,13 +62,15 @@ class StepRunner:
         self.targets = MeanTargets()  # what a cross_entropy loss averaged over, in the run that returns the loss
         self.shapes: Dict[str, Shapes] = defaultdict(Shapes)  # per hook: what its results showed (see merge)
         self.copies_batch = False  # the training step writes into its batch: each run gets a copy (see run)
+        self.settings: Optional[list] = None  # the optimizers' settings before this training step (see begin)
         self._training_steps = 0
         recorder.count_of = self.targets.count_of  # a logged one folds by it too
         self._warned_targets = False
 
-    def begin(self, hook: str, hook_args: tuple, pipeline: Any) -> None:
-        """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known)."""
-        self.hook, self.hook_args, self.pipeline, self.account = hook, hook_args, pipeline, None
+    def begin(self, hook: str, hook_args: tuple, pipeline: Any, settings: Optional[list] = None) -> None:
+        """Prepare for one step of ``hook`` (the account opens once the microbatch sizes are known); ``settings``:
+        the optimizers' settings before a training step, which no run of it may change."""
+        self.hook, self.hook_args, self.pipeline, self.account, self.settings = hook, hook_args, pipeline, None, settings
         self._training_steps += hook == "training_step"
 
     @property
@@ -138,13 +140,21 @@ class StepRunner:
             self.effects.after(self.hook, snapshot, last_stage=False)
             if counts is not None:
                 self._refuse_updates_before_body(snapshot, counts)
+            self._refuse_changed_settings()
             raise
         except BaseException:
             self.stand_in.begin_step("local")
             raise
         self.stand_in.end_step(self.hook, self.body_path)
         self.effects.after(self.hook, snapshot, last_stage=True)
+        self._refuse_changed_settings()
         return output
+
+    def _refuse_changed_settings(self) -> None:
+        """After a run of the step, inside the pipeline's action, so that the error reaches every stage (see
+        :func:`.effects.refuse_changed_settings`)."""
+        if self.settings is not None and not is_recomputing():
+            refuse_changed_settings(self.hook, self.settings, self.module.trainer)
 
     def _refuse_body_without_grad(self) -> None:
         """A training step that calls the body under ``torch.no_grad()`` (a frozen feature extractor): the pipeline

@@ -45,7 +45,7 @@ from lightning_pipe.faults import end_launched_ranks, end_process_groups_at_exit
 from lightning_pipe.init import building_on_meta
 from lightning_pipe.lightning import averaging, batches, hooks, loggers, logs, profile, release, scaling, tracing
 from lightning_pipe.lightning.body import present_whole_body
-from lightning_pipe.lightning.effects import BufferWatch, StepEffects
+from lightning_pipe.lightning.effects import BufferWatch, StepEffects, optimizer_settings
 from lightning_pipe.lightning.layer_list import PipelinedLayerList
 from lightning_pipe.lightning.layout import gather_whole_model, plan
 from lightning_pipe.lightning.losses import LOSS_REDUCTIONS
@@ -468,7 +468,9 @@ class PipeStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._hide_whole()  # a checkpoint that did not reach save_checkpoint (an exception its saver caught)
         module, first, last = self.lightning_module, self.is_first_stage, self.is_last_stage
-        self._runner.begin("training_step", args[1:], self._pipeline)
+        one_run = self.pp_size == 1 and self.num_microbatches == 1  # the step runs once, as under DDP
+        self._runner.begin("training_step", args[1:], self._pipeline,
+                           None if one_run else optimizer_settings(module.trainer))
         executor = self._pipeline.executor
         measure = self.log_pipeline_metrics and self.pp_size > 1 and module.trainer._logger_connector.should_update_logs
         if measure and executor.recorder is None:  # a PipelineTrace callback may be recording already
