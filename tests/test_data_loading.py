@@ -98,11 +98,16 @@ def main(kind: str, root: str, out: str) -> None:
         def on_train_batch_end(self, outputs, batch, batch_idx):
             self.losses.append(float(outputs["loss"]))
 
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.head(self.body(self.embed(x))), y))
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def make_trainer(**limits):
-        devices = {"ddp": 1, "ddp2": 2, "pipe": 2, "pipe3": 3, "pipe2x2": 4, "sharded": 2, "sharded_later": 2}[kind]
+        devices = {"ddp": 1, "ddp2": 2, "pipe": 2, "pipe3": 3, "pipe2x2": 4, "sharded": 2, "sharded_later": 2,
+                   "uneven_val": 2}[kind]
         strategy = DDPStrategy() if kind.startswith("ddp") else lightning_pipe.PipeStrategy(
             pipe_size=2 if kind == "pipe2x2" else None, num_microbatches=3, log_pipeline_metrics=False)
         return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=CSVLogger(root),
@@ -120,6 +125,10 @@ def main(kind: str, root: str, out: str) -> None:
         idle["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         idle["output"] = model.head(model.body(model.embed(torch.ones(2, 4)))).detach()
     trainer = make_trainer(max_epochs=2)
+    if kind == "uneven_val":  # the last stage's process loads one validation batch more than the first stage's
+        val = torch.utils.data.Subset(NoisyLabels(), range(24 + 12 * trainer.global_rank))
+        trainer.fit(model, loader, torch.utils.data.DataLoader(val, batch_size=12))
+        return
     loggers._warned["done"] = False  # once per process, and the launch's other runs share the process
     open(os.path.join(root, f"logger_warnings_{trainer.global_rank}.txt"), "w").close()
     trainer.fit(model, loader)
@@ -183,6 +192,23 @@ def test_data_sharded_by_process_stops_the_fit_with_a_named_error(tmp_path_facto
     assert reason.startswith(f"BatchMismatchError: training_step at step {step}: the batch this process (global rank "
                              "0) loaded differs from the one the last stage's process (global rank 1) loaded"), reason
     assert "trainer.strategy.dp_rank" in reason
+
+
+def test_processes_of_a_pipeline_loading_different_numbers_of_evaluation_batches_stop_with_a_named_error(
+        tmp_path_factory):
+    """Regression (review): the last stage's process ran a third validation batch that the first stage's never
+    loaded, and waited for it until the process group's timeout (under DDP, evaluation has no collective)."""
+    code, seconds, survivors, output = launch_lm_app(
+        tmp_path_factory, "uneven_val", [dict(name="uneven_val", app="test_data_loading", strategy="uneven_val",
+                                              devices=2)],
+        expect_failure=True, timeout=120,
+    )
+    assert code != 0 and not survivors and seconds < 90, (seconds, survivors, output[-4000:])
+    reasons = stop_reasons(output)
+    assert sorted(reasons) == [0, 1], output[-4000:]
+    for reason in reasons.values():
+        assert reason.startswith("BatchMismatchError: the processes of this pipeline load different numbers of "
+                                 "validation batches: [[2], [3]] (per stage, per dataloader)"), reason
 
 
 # -- the fingerprint ------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightning_pipe import gradients
 from lightning_pipe.batchnorm import commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.errors import BatchMismatchError, ConfigurationError
 from lightning_pipe.faults import end_launched_ranks, end_process_groups_at_exit, note_failure, report_job_error
 from lightning_pipe.init import building_on_meta
 from lightning_pipe.lightning import averaging, batches, hooks, loggers, logs, profile, release, scaling, tracing
@@ -724,8 +724,32 @@ class PipeStrategy(DDPStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("test_step", self.precision_plugin.test_step_context(), args)
 
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._check_batch_counts(self.lightning_module.trainer._evaluation_loop.max_batches, "validation")
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._check_batch_counts(self.lightning_module.trainer._evaluation_loop.max_batches, "test")
+
+    def _check_batch_counts(self, counts: List[Any], what: str) -> None:
+        """Every process of a pipeline must run the same number of evaluation steps; refuse on every rank before
+        the first one where they would not (batches.check compares each batch, not whether one comes)."""
+        if self.pp_size == 1:
+            return
+        per_stage: List[Any] = [None] * self.pp_size
+        dist.all_gather_object(per_stage, list(counts), group=self.pp_group)
+        if any(theirs != per_stage[0] for theirs in per_stage):
+            raise BatchMismatchError(
+                f"the processes of this pipeline load different numbers of {what} batches: {per_stage} (per stage, per "
+                "dataloader). Each stage runs every step of the loop, so the one with more would wait for the others "
+                "until the timeout. The data is sharded or sized by process (global rank, dist.get_rank()): shard it "
+                "by trainer.strategy.dp_rank over trainer.strategy.dp_size, which the processes of a pipeline share"
+            )
+
     def on_predict_start(self) -> None:
         super().on_predict_start()
+        self._check_batch_counts(self.lightning_module.trainer.predict_loop.max_batches, "predict")
         if self.pp_size > 1:  # one writer per pipeline: see hooks.route_prediction_writers
             self._routed_writers = hooks.route_prediction_writers(self.lightning_module.trainer.callbacks,
                                                                   self.stage_index == 0, self._writing)
