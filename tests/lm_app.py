@@ -351,6 +351,26 @@ class WarmupInStep(SumRegression):
         return loss
 
 
+class FailingAfterBody(SumRegression):
+    """A bug in the code after the body: in validation_step (``where="validation"``), or a training log Lightning
+    refuses (``reduce_fx="median"``), found as the step's logs are folded."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.where == "training":
+            self.log("double_median", loss.detach() * 2, reduce_fx="median")  # no loss: folded by its reduce_fx
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        scores = {"mse": F.mse_loss(self.body(x), y)}
+        self.log("val_mae", scores["mae"])  # a KeyError on the last stage
+
+
 class Experts(SumRegression):
     """Two experts, each sample routed to one by its target (a mixture of experts in miniature), after
     the body or before it: an expert no sample of a batch routes to is not called, so replicas and
@@ -730,7 +750,9 @@ CASES = {
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"),
     "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "penalty": (GradientPenalty, "regression"),
-    "warmup_in_step": (WarmupInStep, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
+    "warmup_in_step": (WarmupInStep, "regression"),
+    "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
+    "failing_log": (lambda: FailingAfterBody("training"), "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
     "unbalanced_pair": (lambda: Unbalanced(mixes=2), "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
@@ -767,7 +789,9 @@ def loaders(kind: str):
     if kind == "noise":
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=16), None
     y = x.sum(1, keepdim=True) * 0.5
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=12), None
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:24], y[:24]), batch_size=12) \
+        if kind == "regression_val" else None
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=12), val
 
 
 class Outputs(Callback):

@@ -110,6 +110,18 @@ def test_input_gradients_are_found_through_the_steps_own_computation():
     refuse_input_gradients([stale], "the body's input")
 
 
+@pytest.mark.parametrize("case, error", [("failing_val", "KeyError: 'mae'"),
+                                         ("failing_log", "ConfigurationError: only self.log")])
+def test_an_error_after_the_body_on_the_last_stage_stops_every_rank_with_it(tmp_path_factory, case, error):
+    """An error in the last stage's evaluation step after the body, or in folding its logs, raises outside the
+    pipeline's actions, on that process alone: the first stage's, waiting for its results, stops at once, naming
+    it (review L asked whether it waited for the timeout, or failed with gloo's "Connection closed by peer")."""
+    output = _refused_on_every_rank(tmp_path_factory, case, error)
+    reason = stop_reasons(output)[0]
+    assert reason.startswith("PipelineAbortedError: stopped while waiting for what pipeline rank 1 shares"), reason
+    assert f"because another rank failed: global rank 1 (stage 1, replica 0) failed: {error}" in reason, reason
+
+
 def test_a_token_mean_loss_declared_with_num_items_equals_ddp(lm_runs):
     """The microbatches hold different numbers of tokens; weighted by num_items they add up to DDP's loss."""
     from tests.lm_app import token_data
