@@ -213,6 +213,10 @@ def test_step_results_merge_like_one_step_over_the_batch():
     assert merged["preds"].tolist() == [0.0, 0.0, 1.0] and merged["ids"] == ["a", "b", "c"]
     torch.testing.assert_close(merged["acc"], torch.tensor(2 / 3))
     assert int(merged["num_items"]) == 4
+    # integers count (regression, review: averaged, `len(y)` 6 gave 1.667 and a count tensor a truncated mean)
+    counts = merge([{"n": 2, "correct": torch.tensor(2)}, {"n": 1, "correct": torch.tensor(0)}], [2.0, 1.0], [2, 1])
+    assert counts["n"] == 3 and type(counts["n"]) is int
+    assert counts["correct"].dtype == torch.int64 and int(counts["correct"]) == 2
 
 
 def test_step_results_are_joined_as_one_step_over_the_batch_returns_them():

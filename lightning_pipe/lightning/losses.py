@@ -19,7 +19,8 @@ ignored ones is left to the rule above, with a warning.
 
 Other results of the step (``on_train_batch_end``'s ``outputs``) merge the same way: tensors whose
 rows follow the samples are concatenated (a 0-dim tensor from a one-sample microbatch counts as a
-row), lists joined, numbers and 0-dim tensors combined like the loss (``num_items`` summed),
+row), lists joined, numbers and 0-dim tensors combined like the loss (``num_items`` and integers,
+which count, summed),
 anything else (a per-batch tensor such as a confusion matrix, with a warning) kept as a list with
 one value per microbatch; :func:`merge` gives the rules.
 """
@@ -367,9 +368,12 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
             shapes.warned.add(key)
             warnings.warn(
                 f"the step returned 0-dim tensors under {key!r} from microbatches of one sample each, which cannot be "
-                "told from per-batch numbers: they are combined like the loss (a mean). If they are per-sample values "
-                "(`out.squeeze()` of one sample), return them with their batch dimension (`squeeze(-1)`)", stacklevel=2)
+                "told from per-batch numbers: they are combined like the loss (a mean; integers summed, as counts). "
+                "If they are per-sample values (`out.squeeze()` of one sample), return them with their batch "
+                "dimension (`squeeze(-1)`)", stacklevel=2)
     if all(_is_number(v) for v in values):
+        if all(_is_integer(v) for v in values):  # counts (correct predictions, `len(y)`): the batch's is their sum
+            return sum(values[1:], values[0])
         if key.rpartition(".")[2] == "num_items" or weights is None:
             return _combine(values, [1.0] * len(values), normalize=False)
         return _combine(values, weights, normalize=True)
@@ -393,6 +397,12 @@ def _is_number(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.dim() == 0
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_integer(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _combine(values: List[Any], weights: Sequence[float], normalize: bool) -> Any:
