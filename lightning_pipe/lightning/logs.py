@@ -2,8 +2,8 @@
 
 The last stage runs the user's step once per microbatch. :class:`LogRecorder` catches those
 ``self.log`` calls instead of handing them to Lightning, folds them into the calls one step over
-the whole batch would make (the loss like the loss; a ``Metric`` logged on step by computing it
-over the batch; other values with the name's own ``reduce_fx``: a size-weighted mean for
+the whole batch would make (the loss like the loss; a ``Metric`` logged on step, or the value its
+call returned, by computing it over the batch; other values with the name's own ``reduce_fx``: a size-weighted mean for
 ``"mean"``, the sum for ``"sum"``, the max or min), and after the step every rank of the
 pipeline replays the same calls. So every rank (rank 0 included, whose loggers, progress bar
 and checkpoint callbacks read them) sees the values DDP would log for the whole batch, and
