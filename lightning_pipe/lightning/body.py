@@ -39,7 +39,6 @@ from torch import nn
 from lightning_pipe.checkpoint import checkpointed
 from lightning_pipe.errors import BodyCallError, ConfigurationError
 from lightning_pipe.lightning.release import reads_paused
-from lightning_pipe.lightning.stale import Stale
 from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
 BODY_KINDS = (nn.Sequential, nn.ModuleList)
@@ -306,8 +305,6 @@ class PipelinedSequential(StandIn, nn.Sequential):
         self.refuse_if_released()
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
-        if self.mode in ("replace", "stop") and torch.is_grad_enabled():
-            refuse_input_gradients(inputs, "the body's input")
         if self.mode == "replace":
             outputs = self.replacement
             return outputs[0] if len(outputs) == 1 else outputs
@@ -317,47 +314,6 @@ class PipelinedSequential(StandIn, nn.Sequential):
         if self.mode == "stop":
             raise BodyReached(outputs if isinstance(outputs, tuple) else (outputs,))
         return outputs
-
-
-def refuse_input_gradients(inputs: Sequence[object], what: str) -> None:
-    """Refuse a body input that asks for its own gradient, or was computed from a tensor that does.
-
-    That is a tensor with ``requires_grad=True`` that is no parameter (``x.requires_grad_()`` for a
-    saliency map, an interpolate for a gradient penalty). Under a pipeline the body's input lives on
-    the first stage while the step after the body runs on the last, whose body output is not
-    computed from it there: ``torch.autograd.grad(out, x)`` would give zeros (``allow_unused``) or
-    fail, and ``x.grad`` would stay empty. The values the last stage computed from its copies of
-    modules it does not train (:class:`.stale.Stale`) are skipped: the first stage checks the real ones.
-
-    Args:
-        inputs: the tensors the user's step passed to the body.
-        what: how the message names the call (``"the body's input"``).
-
-    Raises:
-        BodyCallError: naming the input and what to do instead.
-    """
-    for position, tensor in enumerate(inputs):
-        if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or isinstance(tensor, Stale):
-            continue
-        nodes, seen = [tensor.grad_fn], set()
-        asks = tensor.grad_fn is None and not isinstance(tensor, nn.Parameter)
-        while nodes and not asks and len(seen) < 256:  # a pre-body graph is a few nodes; a longer one is not walked
-            node = nodes.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)  # an AccumulateGrad: the leaf it accumulates into
-            asks = variable is not None and not isinstance(variable, nn.Parameter)
-            nodes.extend(next_node for next_node, _ in node.next_functions)
-        if asks:
-            raise BodyCallError(
-                f"{what} (input {position}) asks for a gradient with respect to itself: it is, or was computed "
-                "from, a tensor with requires_grad=True that is no parameter (e.g. `x.requires_grad_()` for a saliency "
-                "map or a gradient penalty). Under PipeStrategy the body's input is on the first stage and the step "
-                "after the body runs on the last, so that gradient cannot reach the step (`torch.autograd.grad` would "
-                "give zeros or fail, `x.grad` would stay empty). Compute input gradients outside the pipelined step "
-                "(e.g. on an unpipelined copy of the model in a callback), or pass the input without requires_grad"
-            )
 
 
 def present_whole_body(stand_in: StandIn, body: nn.Module) -> None:

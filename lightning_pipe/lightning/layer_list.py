@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.errors import BodyCallError
-from lightning_pipe.lightning.body import BodyReached, StandIn, refuse_input_gradients
+from lightning_pipe.lightning.body import BodyReached, StandIn
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
@@ -306,8 +306,6 @@ class PipelinedLayerList(StandIn, nn.Module):
             _refuse_hooks_put_in_step(self.blocks[index], index, self._first_hook)
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: blocks under no_grad
         structure, tensors = self._split(args[1:], kwargs)
-        if index == 0 and torch.is_grad_enabled():
-            refuse_input_gradients(args[:1], "the hidden state given to block 0")
         if self.mode == "replace":
             if self._seen and index == self._seen[-1][0] + 1:  # the order is end_step's to check
                 self._refuse_changed_hidden(index, args[0])

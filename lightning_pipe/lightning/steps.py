@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_pipe import rng
 from lightning_pipe.checkpoint import is_recomputing, should_checkpoint
-from lightning_pipe.errors import ConfigurationError, SideEffectError
+from lightning_pipe.errors import BodyCallError, ConfigurationError, SideEffectError
 from lightning_pipe.lightning import loggers, release
 from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects, refuse_changed_settings
@@ -121,6 +121,8 @@ class StepRunner:
                         output = getattr(self.module, self.hook)(batch, *self.hook_args)
                     except RuntimeError as error:
                         release.explain_meta_error(error, self.module, self.body_path, self.hook)
+                        if mode == "replace" and self.stand_in.reached():
+                            _explain_unused_input(error, self.hook)
                         raise
                     finally:
                         self.in_step = False
@@ -265,6 +267,23 @@ class StepRunner:
 
     def first_stage(self) -> "FirstStage":
         return FirstStage(self)
+
+
+def _explain_unused_input(error: RuntimeError, hook: str) -> None:
+    """Raise a named error for autograd's about a differentiated tensor not used in the graph, in a step that called
+    the body: on the last stage the body's output is the pipeline's, computed on other processes, so a gradient with
+    respect to the body's input (a gradient penalty, a saliency map) is not in its graph. The input asking for a
+    gradient is not refused as such: Hugging Face's ``enable_input_require_grads`` (LoRA, gradient checkpointing)
+    makes the embeddings' output ask for one that nothing reads. Returns for any other error."""
+    if "not have been used in the graph" not in str(error):
+        return
+    raise BodyCallError(
+        f"{hook} asked autograd for a gradient through the body ({error}). Under PipeStrategy the body's input is on "
+        "the first stage and the step after the body runs on the last, whose body output is computed from no input "
+        "there, so a gradient of the body's output with respect to its input (`torch.autograd.grad(out, x)` for a "
+        "gradient penalty or a saliency map) cannot be computed in the step. Compute it outside the pipelined step "
+        "(e.g. on an unpipelined copy of the model in a callback)"
+    ) from error
 
 
 class FirstStage(nn.Module):
