@@ -278,8 +278,9 @@ def test_a_metric_value_logged_as_a_tensor_logs_the_metric_over_the_whole_batch(
 
     def step(module, i, size):
         part = slice(bounds[i], bounds[i + 1])
-        module.log("f1", module.f1(preds[part], target[part]))
-        module.log("f1_scaled", module.f1(preds[part], target[part]) * 100)  # no Metric's value: folded as a number
+        f1 = module.f1(preds[part], target[part])
+        module.log("f1", f1)
+        module.log("f1_scaled", f1 * 100)  # no Metric's value: folded as a number
         return _loss(i)
 
     module = Module()
@@ -287,8 +288,21 @@ def test_a_metric_value_logged_as_a_tensor_logs_the_metric_over_the_whole_batch(
     whole = BinaryF1Score()(preds, target)
     torch.testing.assert_close(calls["f1"]["value"], whole)
     assert not torch.allclose(calls["f1_scaled"]["value"], whole * 100)
-    torch.testing.assert_close(module.f1.compute(), BinaryF1Score()(torch.cat([preds, preds]),
-                                                                    torch.cat([target, target])))
+    torch.testing.assert_close(module.f1.compute(), whole)  # its own state: every call, as one step's
+
+
+def test_a_metric_called_twice_in_a_step_logs_each_calls_own_value():
+    """Regression (review): one accuracy called on a source batch (all right) and a target batch (all wrong) logged
+    0.5 for both, its value over every call of the step; one step over the batch logs 1.0 and 0.0."""
+    def step(module, i, size):
+        target = torch.ones(size, dtype=torch.long)
+        module.log("f1_source", module.f1(torch.ones(size), target))
+        module.log("f1_target", module.f1(torch.zeros(size), target))
+        return _loss(i)
+
+    calls = {c["name"]: c for c in _record(Module(), step)}
+    torch.testing.assert_close(calls["f1_source"]["value"], torch.tensor(1.0))
+    torch.testing.assert_close(calls["f1_target"]["value"], torch.tensor(0.0))
 
 
 def _fold_steps(step, steps):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -91,7 +92,7 @@ class LogRecorder:
         self.module = module
         self.body_path = body_path
         self._calls: List[List[Dict[str, Any]]] = []
-        self._called: List[set] = []  # per microbatch: the paths of the Metrics it called
+        self._called: List[Counter] = []  # per microbatch: how often it called each Metric (by path)
         self._step_states: Dict[str, tuple] = {}  # per Metric: its state over this step's calls alone
         self._metric_paths: Dict[int, str] = {}
         # per name logged with batch_size: what its number is (see _fold_one), decided by the first step that
@@ -126,7 +127,7 @@ class LogRecorder:
         def hook(metric: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self._called or is_recomputing():
                 return
-            self._called[-1].add(path)
+            self._called[-1][path] += 1
             kept = _state_of(metric)
             try:
                 if path in self._step_states:
@@ -147,7 +148,7 @@ class LogRecorder:
     def start_microbatch(self) -> None:
         if not is_recomputing():
             self._calls.append([])
-            self._called.append(set())
+            self._called.append(Counter())
 
     def discard_microbatch(self) -> None:
         """Forget the current microbatch's calls: a first stage's run up to the body, which the process holding
@@ -238,13 +239,14 @@ class LogRecorder:
 
     def _batch_value(self, path: str) -> Any:
         """What the Metric at ``path`` gives over this step's microbatches together (None if it was not
-        called in every microbatch that ran the step, or gives no tensor).
+        called once in every microbatch that ran the step, or gives no tensor: a metric called twice per step,
+        on a source and a target batch, logs each call's value, which no state over the whole step gives).
 
         As torchmetrics' own ``forward`` computes a batch's value from a state updated with the batch
         alone: each call of the step also updated a step state (:meth:`_follow`), which is computed
         here without syncing (the other ranks are not computing it), the metric's own state kept.
         """
-        if not self._called or any(path not in called for called in self._called) or path not in self._step_states:
+        if not self._called or any(called[path] != 1 for called in self._called) or path not in self._step_states:
             return None
         metric = self.module.get_submodule(path)
         kept = _state_of(metric)
