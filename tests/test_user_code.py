@@ -201,10 +201,20 @@ def test_step_results_merge_like_one_step_over_the_batch():
     assert merged["preds"].tolist() == [0.0, 0.0, 1.0] and merged["ids"] == ["a", "b", "c"]
     torch.testing.assert_close(merged["acc"], torch.tensor(2 / 3))
     assert int(merged["num_items"]) == 4
-    # integers count (regression, review: averaged, `len(y)` 6 gave 1.667 and a count tensor a truncated mean)
-    counts = merge([{"n": 2, "correct": torch.tensor(2)}, {"n": 1, "correct": torch.tensor(0)}], [2.0, 1.0], [2, 1])
-    assert counts["n"] == 3 and type(counts["n"]) is int
-    assert counts["correct"].dtype == torch.int64 and int(counts["correct"]) == 2
+    # integers count (regression, review: averaged, `len(y)` 6 gave 1.667 and a count tensor a truncated mean), unless
+    # equal in every microbatch and no microbatch size: an index (review M: summed, batch_idx 7 gave 28)
+    shapes = Shapes()
+    steps = (([2, 1], [2, 1], [2, 0], 0), ([2, 2], [2, 2], [1, 1], 2), ([3, 3], [3, 3], [3, 3], 3))
+    for sizes, n, correct, index in steps:
+        parts = [{"n": n[i], "correct": torch.tensor(correct[i]), "batch_idx": index} for i in range(2)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            merged = merge(parts, [float(n) for n in sizes], sizes, shapes=shapes)
+        assert merged["n"] == sum(n) and type(merged["n"]) is int
+        assert merged["correct"].dtype == torch.int64 and int(merged["correct"]) == sum(correct)  # a count for good
+        assert merged["batch_idx"] == index  # equal to the microbatch size in the last step: still an index
+        assert [str(w.message)[:59] for w in caught] == (["the step returned the integer 0 under 'batch_idx' in every "]
+                                                         if index == 0 else [])
 
 
 def test_step_results_are_joined_as_one_step_over_the_batch_returns_them():

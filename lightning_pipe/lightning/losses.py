@@ -292,6 +292,7 @@ class Shapes:
         self.varied: Set[str] = set()  # first dimensions that differed (between microbatches or batches): rows
         self.not_batched: Set[str] = set()  # one unvaried shape from microbatches of different sizes
         self.warned: Set[str] = set()
+        self.integers: Dict[str, str] = {}  # per key of integers: "count" or "index" (see counts)
 
     def rows(self, key: str, values: List[torch.Tensor], sizes: Sequence[int]) -> bool:
         """Whether ``values`` (each with a dimension, none with one row per sample) are rows of the batch: not
@@ -303,6 +304,32 @@ class Shapes:
         if key not in self.varied and len({v.shape for v in values}) == 1 and len(set(sizes)) > 1:
             self.not_batched.add(key)
         return key in self.varied or key not in self.not_batched
+
+
+    def counts(self, key: str, values: List[Any], sizes: Sequence[int]) -> bool:
+        """Whether integers returned under ``key`` count something per microbatch (their sum is the batch's), or
+        are an index or a setting that one step returns as it is (``batch_idx``, ``global_step``).
+
+        Counts once they differ between microbatches (correct predictions), or where each is its microbatch's
+        size (``len(y)``); an index where they are equal otherwise, with a warning, since equal counts look
+        the same. Decided by the first step that shows it and kept, so that an index equal to the microbatch
+        size in a later step stays one.
+        """
+        numbers = [int(v) for v in values]
+        kind = self.integers.get(key)
+        if len(set(numbers)) > 1:
+            kind = "count"
+        elif kind is None:
+            kind = "count" if numbers == list(sizes) else "index"
+            if kind == "index" and key not in self.warned:
+                self.warned.add(key)
+                warnings.warn(
+                    f"the step returned the integer {numbers[0]} under {key!r} in every microbatch: kept once, as an "
+                    "index or a setting (batch_idx, global_step) that one step over the batch returns as it is. If it "
+                    "counts something per microbatch (correct predictions), the batch's count is their sum: return "
+                    "per-sample values instead (`pred == y`), which are joined", stacklevel=3)
+        self.integers[key] = kind
+        return kind == "count"
 
 
 def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence[int], key: str = "",
@@ -372,8 +399,9 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
                 "If they are per-sample values (`out.squeeze()` of one sample), return them with their batch "
                 "dimension (`squeeze(-1)`)", stacklevel=2)
     if all(_is_number(v) for v in values):
-        if all(_is_integer(v) for v in values):  # counts (correct predictions, `len(y)`): the batch's is their sum
-            return sum(values[1:], values[0])
+        if all(_is_integer(v) for v in values):
+            counts = key.rpartition(".")[2] == "num_items" or shapes.counts(key, values, sizes)
+            return sum(values[1:], values[0]) if counts else first
         if key.rpartition(".")[2] == "num_items" or weights is None:
             return _combine(values, [1.0] * len(values), normalize=False)
         return _combine(values, weights, normalize=True)
