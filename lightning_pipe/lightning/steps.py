@@ -142,20 +142,20 @@ class StepRunner:
             self.effects.after(self.hook, snapshot, last_stage=False)
             if counts is not None:
                 self._refuse_updates_before_body(snapshot, counts)
-            self._refuse_changed_settings()
+            self._refuse_changed_settings(i)
             raise
         except BaseException:
             self.stand_in.begin_step("local")
             raise
         self.stand_in.end_step(self.hook, self.body_path)
         self.effects.after(self.hook, snapshot, last_stage=True)
-        self._refuse_changed_settings()
+        self._refuse_changed_settings(i)
         return output
 
-    def _refuse_changed_settings(self) -> None:
-        """After a run of the step, inside the pipeline's action, so that the error reaches every stage (see
-        :func:`.effects.refuse_changed_settings`)."""
-        if self.settings is not None and not is_recomputing():
+    def _refuse_changed_settings(self, i: int) -> None:
+        """After the step's run on the last microbatch ``i``, inside the pipeline's action, so that the error reaches
+        every stage (see :func:`.effects.refuse_changed_settings`); a change in any run is still there."""
+        if self.settings is not None and i == len(self.pipeline.last_sizes) - 1 and not is_recomputing():
             refuse_changed_settings(self.hook, self.settings, self.module.trainer)
 
     def _refuse_body_without_grad(self) -> None:
