@@ -125,8 +125,8 @@ def main(kind: str, root: str, out: str) -> None:
         idle["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         idle["output"] = model.head(model.body(model.embed(torch.ones(2, 4)))).detach()
     trainer = make_trainer(max_epochs=2)
-    if kind == "uneven_val":  # the last stage's process loads one validation batch more than the first stage's
-        val = torch.utils.data.Subset(NoisyLabels(), range(24 + 12 * trainer.global_rank))
+    if kind == "uneven_val":  # the first stage's process loads no validation batch, the last stage's one
+        val = torch.utils.data.Subset(NoisyLabels(), range(12 * trainer.global_rank))
         trainer.fit(model, loader, torch.utils.data.DataLoader(val, batch_size=12))
         return
     loggers._warned["done"] = False  # once per process, and the launch's other runs share the process
@@ -196,8 +196,9 @@ def test_data_sharded_by_process_stops_the_fit_with_a_named_error(tmp_path_facto
 
 def test_processes_of_a_pipeline_loading_different_numbers_of_evaluation_batches_stop_with_a_named_error(
         tmp_path_factory):
-    """Regression (review): the last stage's process ran a third validation batch that the first stage's never
-    loaded, and waited for it until the process group's timeout (under DDP, evaluation has no collective)."""
+    """Regression (review L): the last stage's process ran a validation batch that the first stage's never loaded,
+    and waited for it until the process group's timeout (under DDP, evaluation has no collective). An empty loader
+    skips the loop before its start hooks (review M), so the lengths are compared as the loaders are set up."""
     code, seconds, survivors, output = launch_lm_app(
         tmp_path_factory, "uneven_val", [dict(name="uneven_val", app="test_data_loading", strategy="uneven_val",
                                               devices=2)],
@@ -207,8 +208,8 @@ def test_processes_of_a_pipeline_loading_different_numbers_of_evaluation_batches
     reasons = stop_reasons(output)
     assert sorted(reasons) == [0, 1], output[-4000:]
     for reason in reasons.values():
-        assert reason.startswith("BatchMismatchError: the processes of this pipeline load different numbers of "
-                                 "validation batches: [[2], [3]] (per stage, per dataloader)"), reason
+        assert reason.startswith("BatchMismatchError: the processes of this pipeline load val dataloaders of "
+                                 "different lengths: [0, 1] batches (per pipeline rank)"), reason
 
 
 # -- the fingerprint ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ still runs the precision plugin's hooks so ``on_before_backward``/``on_after_bac
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 from collections import OrderedDict
@@ -283,7 +284,30 @@ class PipeStrategy(DDPStrategy):
         """
         if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", 0) is None:
             dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self.dp_rank)
+        self._check_lengths(dataloader)
         return dataloader
+
+    def _check_lengths(self, dataloader: object) -> None:
+        """Every process of a pipeline runs every step of a loop, so they must load as many batches: refuse on every
+        rank, as the loader is set up, where they would not (:mod:`.batches` compares each batch, not whether one
+        comes). Under DDP an evaluation loop has no collective, and ranks may run different numbers of steps."""
+        if self.pp_size == 1 or self.pp_group is None:
+            return
+        try:
+            length: float = len(dataloader)  # type: ignore[arg-type]
+        except TypeError:  # an iterable dataset without a length: not known before it ends
+            length = math.inf
+        per_stage: List[Any] = [None] * self.pp_size
+        dist.all_gather_object(per_stage, length, group=self.pp_group)
+        if any(theirs != length for theirs in per_stage):
+            stage = self.lightning_module.trainer.state.stage
+            raise BatchMismatchError(
+                f"the processes of this pipeline load {stage.dataloader_prefix if stage else 'their'} dataloaders of "
+                f"different lengths: {per_stage} batches (per pipeline rank). Each stage runs every step of the loop, so "
+                "the one with more would wait for the others until the timeout. The data is sharded or sized by "
+                "process (global rank, dist.get_rank()): shard it by trainer.strategy.dp_rank over "
+                "trainer.strategy.dp_size, which the processes of a pipeline share"
+            )
 
     def setup_environment(self) -> None:
         if self.world_size % self.pp_size:
@@ -724,32 +748,8 @@ class PipeStrategy(DDPStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("test_step", self.precision_plugin.test_step_context(), args)
 
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._check_batch_counts(self.lightning_module.trainer._evaluation_loop.max_batches, "validation")
-
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self._check_batch_counts(self.lightning_module.trainer._evaluation_loop.max_batches, "test")
-
-    def _check_batch_counts(self, counts: List[Any], what: str) -> None:
-        """Every process of a pipeline must run the same number of evaluation steps; refuse on every rank before
-        the first one where they would not (batches.check compares each batch, not whether one comes)."""
-        if self.pp_size == 1:
-            return
-        per_stage: List[Any] = [None] * self.pp_size
-        dist.all_gather_object(per_stage, list(counts), group=self.pp_group)
-        if any(theirs != per_stage[0] for theirs in per_stage):
-            raise BatchMismatchError(
-                f"the processes of this pipeline load different numbers of {what} batches: {per_stage} (per stage, per "
-                "dataloader). Each stage runs every step of the loop, so the one with more would wait for the others "
-                "until the timeout. The data is sharded or sized by process (global rank, dist.get_rank()): shard it "
-                "by trainer.strategy.dp_rank over trainer.strategy.dp_size, which the processes of a pipeline share"
-            )
-
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self._check_batch_counts(self.lightning_module.trainer.predict_loop.max_batches, "predict")
         if self.pp_size > 1:  # one writer per pipeline: see hooks.route_prediction_writers
             self._routed_writers = hooks.route_prediction_writers(self.lightning_module.trainer.callbacks,
                                                                   self.stage_index == 0, self._writing)
