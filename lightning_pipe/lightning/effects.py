@@ -312,8 +312,8 @@ class _Version(NamedTuple):
     tensor: torch.Tensor
     version: int
 
-    def __repr__(self) -> str:
-        return repr(self.tensor)
+    def __repr__(self) -> str:  # the tensor's value now, before and after a write in place
+        return f"{self.tensor!r} (version {self.version})"
 
 
 def _same(a: Any, b: Any) -> bool:
