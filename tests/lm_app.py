@@ -313,6 +313,13 @@ class TiedSequential(LMBase):
         return {"loss": loss, "num_items": count}
 
 
+class TiedSavedOnce(TiedSequential):
+    """Its checkpoints leave out the embedding's key of the tied weight, which its head's key still holds."""
+
+    def on_save_checkpoint(self, checkpoint):
+        del checkpoint["state_dict"]["body.0.weight"]
+
+
 class SumRegression(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -749,7 +756,7 @@ CASES = {
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"),
     "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
-    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "penalty": (GradientPenalty, "regression"),
+    "tied_seq": (TiedSequential, "tokens"), "tied_once": (TiedSavedOnce, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "penalty": (GradientPenalty, "regression"),
     "warmup_in_step": (WarmupInStep, "regression"),
     "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
     "failing_log": (lambda: FailingAfterBody("training"), "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),

@@ -284,6 +284,25 @@ def test_balance_by_flops_cuts_every_stage_of_an_interleaved_pipeline(lm_runs):
         for stage, layers, rank in rows), output)
 
 
+def test_a_hook_deleting_one_key_of_a_tied_weight_saves_the_other_in_sharded_checkpoints_as_under_ddp(lm_runs):
+    """Regression (this stop): `del checkpoint["state_dict"]["body.0.weight"]`, the embedding's key of a weight tied
+    to the head, made the sharded save expect neither key, and then refuse the head's (not the model's); saved after
+    fit (the whole model back in every process, the hooks given all of it), it expected the deleted key
+    (CheckpointMismatchError: no rank saves it). One process's file keeps the head's key."""
+    from lightning_pipe.consolidate import consolidate
+
+    want, got = lm_runs("reference")[0]["tied_once"], lm_runs("world2")[0]["tied_once_sharded"]
+    _, root, _ = lm_runs("world2")
+    _, reference_root, _ = lm_runs("reference")
+    for saved, reference in ((got["last_model_path"], want["last_model_path"]),
+                             (os.path.join(root, "tied_once_sharded", "final.ckpt"),
+                              os.path.join(reference_root, "tied_once", "final.ckpt"))):
+        assert os.path.isdir(saved)
+        keys = list(torch.load(reference, weights_only=False)["state_dict"])
+        assert "body.0.weight" not in keys and "body.5.weight" in keys
+        assert sorted(consolidate(saved)["state_dict"]) == sorted(keys)
+
+
 def test_two_stages_per_process_checkpoints_hold_the_plain_module_and_resume_as_lightning(lm_runs):
     """The full checkpoints (interleaved 1F1B, ZB-V) load strictly into the plain module; the interleaved
     one resumed for a second epoch (writing sharded checkpoints) ends where one DDP run of two epochs ends."""

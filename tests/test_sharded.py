@@ -333,19 +333,26 @@ def _kept_by_hooks(rank, world_size):
 
     split = SimpleNamespace(key_order=["a", "b", "c", "d", "d_alias"], key_aliases={"d_alias": "d"})
     given = HookState({k: None for k in [["a", "b"], ["c", "d"]][rank]}, split.key_order)  # this rank's keys
-    checkpoints = SimpleNamespace(given=given, before_hooks=set(given), split=split)
+    checkpoints = SimpleNamespace(given=given, before_hooks=dict(given), split=split)
     for name in ("b", "d"):  # a hook deleting the frozen ones by name, on every rank (as under DDP)
         del given[name]
     with pytest.raises(KeyError):
         del given["e"]  # not a key of the model: as in a dict
-    return Checkpoints._kept_by_hooks(checkpoints, given), checkpoints.given, sorted(given)
+    kept = Checkpoints._kept_by_hooks(checkpoints, given)
+    # after fit the whole model is back in every process, and the hooks were given all of it
+    checkpoints.given, checkpoints.before_hooks = None, {}
+    after_fit = Checkpoints._kept_by_hooks(checkpoints, {"a": None, "c": None, "d_alias": None})
+    return kept, after_fit, checkpoints.given, sorted(given)
 
 
 def test_a_sharded_save_expects_the_keys_no_checkpoint_hook_deleted_on_any_rank():
     """Regression: a "keep the trainable weights" on_save_checkpoint made the sharded save refuse the checkpoint
-    (no rank saves `b`, `d`). The keys deleted on any rank, and their aliases, are left out on every rank. And
-    deleting a key of the model that another rank holds raised KeyError."""
-    assert distributed.run(_kept_by_hooks, 2) == [(["a", "c"], None, ["a"]), (["a", "c"], None, ["c"])]
+    (no rank saves `b`, `d`). The keys deleted on any rank are left out on every rank. And deleting a key of the
+    model that another rank holds raised KeyError. Review (this stop): the alias of a deleted tied key was left out
+    too, where one process's state dict keeps it; and a save after fit, whose hooks got the whole model, expected
+    the keys they deleted (CheckpointMismatchError: no rank saves them)."""
+    expected = (["a", "c", "d_alias"], ["a", "c", "d_alias"], None)
+    assert distributed.run(_kept_by_hooks, 2) == [(*expected, ["a"]), (*expected, ["c"])]
 
 
 def test_the_state_dict_the_checkpoint_hooks_get_is_written_as_a_plain_dict(tmp_path):

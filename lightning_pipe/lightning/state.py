@@ -223,7 +223,7 @@ class Checkpoints:
         self.num_stages = num_stages
         self.dp_rank = dp_rank
         self.given: Optional[HookState] = None  # the state dict the checkpoint hooks were given (for_hooks)
-        self.before_hooks: Set[str] = set()  # its keys then
+        self.before_hooks: Dict[str, Any] = {}  # its entries then
         self.layouts: List[List[List[str]]] = []
 
     def _names(self) -> Dict[int, str]:
@@ -281,26 +281,38 @@ class Checkpoints:
         """Write ``checkpoint`` (this rank's parts) as a sharded directory; every rank calls it."""
         state, optimizers = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         current = checkpoint.pop("current_model_state", None)  # a weight averaging callback's: this rank's part too
+        before, kept = self.before_hooks, self._kept_by_hooks(state)
+        aliases = {alias: key for alias, key in self.split.key_aliases.items() if alias in kept}  # deleted: not implied
+        for alias, key in aliases.items():  # a hook deleted the first key of a tied tensor, not this one: keep it
+            if alias not in state and key not in state and key in before:
+                state[alias] = before[key]
         save_sharded(path, state, optimizers, self.layouts, checkpoint if global_zero else None,
-                     aliases=self.split.key_aliases, expected_keys=self._kept_by_hooks(state), current_state=current,
-                     group=None)
+                     aliases=aliases, expected_keys=kept, current_state=current, group=None)
 
     def for_hooks(self, state: Mapping[str, Any]) -> HookState:
         """``state`` (:meth:`module_state`'s), as the checkpoint hooks get it (:class:`HookState`)."""
         self.given = HookState(state, self.split.key_order)
-        self.before_hooks = set(self.given)
+        self.before_hooks = dict(self.given)  # the tensors themselves, no copies
         return self.given
 
     def _kept_by_hooks(self, state: Mapping[str, Any]) -> List[str]:
         """The model's keys less those an ``on_save_checkpoint`` hook deleted on some rank (a collective): a "save
-        the trainable weights only" hook leaves the file without them, as one process's file is."""
-        removed = sorted(self.before_hooks - set(state) | self.given.deleted) if self.given is not None else []
-        self.given, self.before_hooks = None, set()
+        the trainable weights only" hook leaves the file without them, as one process's file is.
+
+        A key of a tensor registered twice (a tied weight) stays unless it was deleted itself, as in one
+        process's state dict, which holds both keys: deleting one of them (``lm_head.weight``) keeps the
+        other. Where the hooks were given no part (a save after ``fit`` put the whole model back in every
+        process), each process's state holds every key the hooks kept.
+        """
+        if self.given is not None:
+            removed = sorted(set(self.before_hooks) - set(state) | self.given.deleted)
+        else:
+            removed = [key for key in self.split.key_order if key not in state]
+        self.given, self.before_hooks = None, {}
         everyone: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, removed)
         gone = {key for part in everyone for key in part}
-        aliases = self.split.key_aliases
-        return [k for k in self.split.key_order if k not in gone and aliases.get(k, k) not in gone]
+        return [k for k in self.split.key_order if k not in gone]
 
     def load(self, path: str, optimizers: Sequence[Optimizer], strict: bool, weights_only: Optional[bool]) -> Dict[str, Any]:
         """A checkpoint for this rank: a sharded directory read in part, or a file mapped, not read, whole."""
