@@ -201,20 +201,18 @@ def test_step_results_merge_like_one_step_over_the_batch():
     assert merged["preds"].tolist() == [0.0, 0.0, 1.0] and merged["ids"] == ["a", "b", "c"]
     torch.testing.assert_close(merged["acc"], torch.tensor(2 / 3))
     assert int(merged["num_items"]) == 4
-    # integers count (regression, review: averaged, `len(y)` 6 gave 1.667 and a count tensor a truncated mean), unless
-    # equal in every microbatch and no microbatch size: an index (review M: summed, batch_idx 7 gave 28)
+    # integers count (regression, review: averaged, `len(y)` 6 gave 1.667 and a count tensor a truncated mean); a
+    # plain int equal in every microbatch to an index the step knows is kept (review M: summed, batch_idx 7 gave 28)
     shapes = Shapes()
-    steps = (([2, 1], [2, 1], [2, 0], 0), ([2, 2], [2, 2], [1, 1], 2), ([3, 3], [3, 3], [3, 3], 3))
-    for sizes, n, correct, index in steps:
-        parts = [{"n": n[i], "correct": torch.tensor(correct[i]), "batch_idx": index} for i in range(2)]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            merged = merge(parts, [float(n) for n in sizes], sizes, shapes=shapes)
-        assert merged["n"] == sum(n) and type(merged["n"]) is int
-        assert merged["correct"].dtype == torch.int64 and int(merged["correct"]) == sum(correct)  # a count for good
-        assert merged["batch_idx"] == index  # equal to the microbatch size in the last step: still an index
-        assert [str(w.message)[:59] for w in caught] == (["the step returned the integer 0 under 'batch_idx' in every "]
-                                                         if index == 0 else [])
+    shapes.indices = {7, 100}  # batch_idx, global step
+    parts = [{"n": 2, "correct": torch.tensor(2), "zero": 0, "batch_idx": 7, "step": 100},
+             {"n": 1, "correct": torch.tensor(0), "zero": 0, "batch_idx": 7, "step": 100}]
+    merged = merge(parts, [2.0, 1.0], [2, 1], shapes=shapes)
+    assert merged == {"n": 3, "correct": torch.tensor(2), "zero": 0, "batch_idx": 7, "step": 100}
+    assert type(merged["n"]) is int and merged["correct"].dtype == torch.int64
+    # equal counts first, other counts later (review N: taken for an index for good, 2 + 2 + 2 + 2 gave 2)
+    for count in (0, 2):
+        assert merge([{"correct": count}] * 4, [2.0] * 4, [2] * 4, shapes=shapes)["correct"] == 4 * count
 
 
 def test_step_results_are_joined_as_one_step_over_the_batch_returns_them():

@@ -292,7 +292,7 @@ class Shapes:
         self.varied: Set[str] = set()  # first dimensions that differed (between microbatches or batches): rows
         self.not_batched: Set[str] = set()  # one unvaried shape from microbatches of different sizes
         self.warned: Set[str] = set()
-        self.integers: Dict[str, str] = {}  # per key of integers: "count" or "index" (see counts)
+        self.indices: Set[int] = set()  # this step's batch_idx, dataloader_idx and global step (see counts)
 
     def rows(self, key: str, values: List[torch.Tensor], sizes: Sequence[int]) -> bool:
         """Whether ``values`` (each with a dimension, none with one row per sample) are rows of the batch: not
@@ -306,30 +306,17 @@ class Shapes:
         return key in self.varied or key not in self.not_batched
 
 
-    def counts(self, key: str, values: List[Any], sizes: Sequence[int]) -> bool:
-        """Whether integers returned under ``key`` count something per microbatch (their sum is the batch's), or
-        are an index or a setting that one step returns as it is (``batch_idx``, ``global_step``).
+    def counts(self, values: List[Any]) -> bool:
+        """Whether integers the step returned (one per microbatch) count something per microbatch, their sum
+        the batch's (correct predictions, ``len(y)``), rather than an index one step returns as it is.
 
-        Counts once they differ between microbatches (correct predictions), or where each is its microbatch's
-        size (``len(y)``); an index where they are equal otherwise, with a warning, since equal counts look
-        the same. Decided by the first step that shows it and kept, so that an index equal to the microbatch
-        size in a later step stays one.
+        An index is a plain int equal in every microbatch to one the step knows (:attr:`indices`: its
+        ``batch_idx``, ``dataloader_idx`` or the global step); anything else counts. Equal counts cannot
+        be told from a setting by their values, so only known indices are kept; integer tensors always
+        count (no device sync to read them).
         """
-        numbers = [int(v) for v in values]
-        kind = self.integers.get(key)
-        if len(set(numbers)) > 1:
-            kind = "count"
-        elif kind is None:
-            kind = "count" if numbers == list(sizes) else "index"
-            if kind == "index" and key not in self.warned:
-                self.warned.add(key)
-                warnings.warn(
-                    f"the step returned the integer {numbers[0]} under {key!r} in every microbatch: kept once, as an "
-                    "index or a setting (batch_idx, global_step) that one step over the batch returns as it is. If it "
-                    "counts something per microbatch (correct predictions), the batch's count is their sum: return "
-                    "per-sample values instead (`pred == y`), which are joined", stacklevel=3)
-        self.integers[key] = kind
-        return kind == "count"
+        first = values[0]
+        return not (type(first) is int and first in self.indices and all(v == first for v in values))
 
 
 def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence[int], key: str = "",
@@ -400,8 +387,8 @@ def merge(values: List[Any], weights: Optional[Sequence[float]], sizes: Sequence
                 "dimension (`squeeze(-1)`)", stacklevel=2)
     if all(_is_number(v) for v in values):
         if all(_is_integer(v) for v in values):
-            counts = key.rpartition(".")[2] == "num_items" or shapes.counts(key, values, sizes)
-            return sum(values[1:], values[0]) if counts else first
+            return sum(values[1:], values[0]) if key.rpartition(".")[2] == "num_items" or shapes.counts(values) \
+                else first
         if key.rpartition(".")[2] == "num_items" or weights is None:
             return _combine(values, [1.0] * len(values), normalize=False)
         return _combine(values, weights, normalize=True)
