@@ -285,9 +285,10 @@ def save_sharded(path: Union[str, Path], module_state: Mapping[str, Any],
     path, aliases = Path(path), dict(aliases or {})
     try:  # whatever goes wrong here must reach the exchange, or the other ranks would wait forever
         problems = _save_problems(path, module_state, optimizer_states, layouts)
-        if current_state is not None and not set(module_state) <= set(current_state):
+        current_keys = set(_with_aliases(current_state, aliases)) if current_state is not None else set()
+        if current_state is not None and not set(module_state) <= current_keys:
             problems.append(("mismatch", "the averaged weights hold keys the current ones lack: "
-                                         f"{_few(sorted(set(module_state) - set(current_state)))}"))
+                                         f"{_few(sorted(set(module_state) - current_keys))}"))
     except Exception as error:
         problems = [("mismatch", f"cannot check what to save: {type(error).__name__}: {error}")]
     verdicts = _exchange((problems, sorted(module_state) if expected_keys is not None else []), group)

@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_pipe import BatchMismatchError
 from lightning_pipe.lightning import batches
+from tests import distributed
 from tests.conftest import launch_lm_app, stop_reasons
 
 STOP_AT = 5  # the step whose training_step sets trainer.should_stop (in epoch 0, which has 8 steps with 2 replicas)
@@ -210,6 +211,40 @@ def test_processes_of_a_pipeline_loading_different_numbers_of_evaluation_batches
     for reason in reasons.values():
         assert reason.startswith("BatchMismatchError: the processes of this pipeline load val dataloaders of "
                                  "different lengths: [0, 1] batches (per pipeline rank)"), reason
+
+
+def _check_lengths(rank, world_size, lengths):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from lightning_pipe import PipeStrategy
+
+    class Loader:
+        def __len__(self):
+            if isinstance(lengths[rank], type):
+                raise lengths[rank]("no length here")
+            return lengths[rank]
+
+    strategy = SimpleNamespace(pp_size=world_size, pp_group=dist.group.WORLD, lightning_module=SimpleNamespace(
+        trainer=SimpleNamespace(state=SimpleNamespace(stage=RunningStage.VALIDATING))))
+    try:
+        PipeStrategy._check_lengths(strategy, Loader())
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"[:80]
+    return "ok"
+
+
+@pytest.mark.parametrize("lengths, outcome", [
+    ([3, 3], "ok"),
+    ([NotImplementedError, TypeError], "ok"),  # no length on either (a streaming dataset): Lightning's inf too
+    ([2, 3], "BatchMismatchError: the processes of this pipeline load val dataloaders of different lengths: [2, 3]"),
+    # regression (review N): an error of one process's len() stopped it alone, the other waited in the exchange
+    ([3, ValueError], "ConfigurationError: len() of a dataloader failed on a process of this pipeline: ValueError: n"),
+])
+def test_loader_lengths_are_compared_over_the_pipeline_and_fail_on_every_rank(lengths, outcome):
+    assert distributed.run(_check_lengths, 2, lengths, timeout=60) == [outcome[:80]] * 2
 
 
 # -- the fingerprint ------------------------------------------------------------------------------

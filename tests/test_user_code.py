@@ -299,6 +299,10 @@ def test_a_scheduler_stepped_or_an_optimizer_added_in_the_step_is_found():
     optimizer.param_groups[0]["lr"].fill_(0.5)  # in place, as a capturable optimizer's tensor rate is changed
     with pytest.raises(SideEffectError, match="optimizer 0 param group 0: lr"):
         refuse_changed_settings("training_step", before, trainer)
+    with torch.inference_mode():  # a tensor with no version (regression, review N: RuntimeError on every step)
+        optimizer.param_groups[0]["lr"] = torch.tensor(0.5)
+    before = optimizer_settings(trainer)
+    refuse_changed_settings("training_step", before, trainer)
     before = optimizer_settings(trainer)
     optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
     with pytest.raises(SideEffectError, match="training_step changed the optimizers"):

@@ -267,8 +267,10 @@ class BufferWatch:
 def optimizer_settings(trainer: Any) -> List[Tuple[str, Dict[str, Any]]]:
     """What a training step must leave alone: each param group's settings (``lr``, ``momentum``, ...) of each
     optimizer, and each learning-rate scheduler's step count, as ``(where, settings)`` pairs."""
-    # a tensor (a capturable optimizer's lr) by its version: no copy, and no device sync to compare
-    copy = lambda value: _Version(value, value._version) if isinstance(value, torch.Tensor) else value  # noqa: E731
+    # a tensor (a capturable optimizer's lr) by its version: no copy, and no device sync to compare; an inference
+    # tensor has no version: a copy
+    copy = lambda value: value if not isinstance(value, torch.Tensor) else value.clone() if value.is_inference() \
+        else _Version(value, value._version)  # noqa: E731
     settings = [(f"optimizer {i} param group {j}", {k: copy(v) for k, v in group.items() if k != "params"})
                 for i, optimizer in enumerate(trainer.optimizers) for j, group in enumerate(optimizer.param_groups)]
     settings += [(f"lr scheduler {i}", {k: getattr(config.scheduler, k) for k in ("last_epoch", "_step_count")
@@ -319,6 +321,8 @@ class _Version(NamedTuple):
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, _Version) or isinstance(b, _Version):
         return isinstance(a, _Version) and isinstance(b, _Version) and a.tensor is b.tensor and a.version == b.version
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     try:
         return a is b or bool(a == b)
     except Exception:  # a value with no truth to its comparison (a NumPy array): not checked

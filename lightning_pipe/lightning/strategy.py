@@ -294,11 +294,16 @@ class PipeStrategy(DDPStrategy):
         if self.pp_size == 1 or self.pp_group is None:
             return
         try:
-            length: float = len(dataloader)  # type: ignore[arg-type]
-        except TypeError:  # an iterable dataset without a length: not known before it ends
+            length: Any = len(dataloader)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):  # an iterable dataset without a length: not known before it ends
             length = math.inf
+        except Exception as error:  # raised on every rank of the pipeline, after the exchange
+            length = f"{type(error).__name__}: {error}"
         per_stage: List[Any] = [None] * self.pp_size
         dist.all_gather_object(per_stage, length, group=self.pp_group)
+        failed = [theirs for theirs in per_stage if isinstance(theirs, str)]
+        if failed:
+            raise ConfigurationError(f"len() of a dataloader failed on a process of this pipeline: {failed[0]}")
         if any(theirs != length for theirs in per_stage):
             stage = self.lightning_module.trainer.state.stage
             raise BatchMismatchError(
