@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from lightning_pipe import ConfigurationError, SideEffectError
+from lightning_pipe.lightning.body import asks_for_gradient
 from lightning_pipe.lightning.effects import StepEffects, optimizer_settings, refuse_changed_settings
 from lightning_pipe.lightning.logs import combine_stages
 from lightning_pipe.lightning.losses import LossAccount, Shapes, merge
+from lightning_pipe.lightning.stale import mark
 from tests.conftest import launch_lm_app, stop_reasons, warned_by_run
 from tests.test_model_styles import assert_same_training
 
@@ -96,6 +98,19 @@ def test_a_gradient_with_respect_to_the_bodys_input_is_refused_on_every_rank(tmp
     output = _refused_on_every_rank(tmp_path_factory, "penalty", "BodyCallError")
     assert "training_step asked autograd for a gradient through the body (The differentiated Tensor at index 0 " \
            "appears to not have been used in the graph" in output, output[-4000:]
+
+
+def test_a_body_input_asking_for_a_gradient_is_told_from_parameters_and_stale_values():
+    """What decides whether autograd's "not used in the graph" is explained as a gradient through the body: a
+    non-parameter leaf with requires_grad, or a value computed from one (review N: an unrelated unused head's
+    parameters in `torch.autograd.grad` were blamed on the body); parameters, values without gradients and the
+    last stage's stale values do not ask."""
+    proj = torch.nn.Linear(2, 2)
+    x = torch.ones(3, 2)
+    assert not asks_for_gradient([x, proj(x), proj.weight, torch.ones(2).requires_grad_().detach()])
+    assert asks_for_gradient([x, x.clone().requires_grad_()])
+    assert asks_for_gradient([proj(x.clone().requires_grad_()) * 2])
+    assert not asks_for_gradient([mark(torch.zeros(3, 2).requires_grad_(), frozenset({"proj"}))])  # skipped, stale
 
 
 @pytest.mark.parametrize("case, error", [("failing_val", "KeyError: 'mae'"),

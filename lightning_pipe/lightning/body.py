@@ -39,6 +39,7 @@ from torch import nn
 from lightning_pipe.checkpoint import checkpointed
 from lightning_pipe.errors import BodyCallError, ConfigurationError
 from lightning_pipe.lightning.release import reads_paused
+from lightning_pipe.lightning.stale import Stale
 from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
 BODY_KINDS = (nn.Sequential, nn.ModuleList)
@@ -163,6 +164,7 @@ class StandIn:
         self.replacement: Optional[tuple] = None
         self.checkpoint_layers = False
         self.calls = 0
+        self.input_asks_grad = False  # the last stage's body input asked for a gradient (see asks_for_gradient)
 
     def chunk(self, k: int) -> nn.Module:
         """What the pipeline runs for this rank's ``k``-th stage (the stand-in itself when it holds one;
@@ -173,7 +175,7 @@ class StandIn:
         # Plain values straight into __dict__: nn.Module.__setattr__ first looks for a parameter, buffer or
         # submodule of each name, and this runs twice per microbatch on the critical path.
         self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0,
-                             grad_at_call=None)
+                             grad_at_call=None, input_asks_grad=False)
 
     def reached(self) -> bool:
         """Whether the user's step has called the body since :meth:`begin_step`."""
@@ -306,6 +308,7 @@ class PipelinedSequential(StandIn, nn.Sequential):
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
         if self.mode == "replace":
+            self.__dict__["input_asks_grad"] = torch.is_grad_enabled() and asks_for_gradient(inputs)  # see .steps
             outputs = self.replacement
             return outputs[0] if len(outputs) == 1 else outputs
         self.refuse_if_partial()
@@ -314,6 +317,32 @@ class PipelinedSequential(StandIn, nn.Sequential):
         if self.mode == "stop":
             raise BodyReached(outputs if isinstance(outputs, tuple) else (outputs,))
         return outputs
+
+
+def asks_for_gradient(inputs: Sequence[object]) -> bool:
+    """Whether a body input is, or was computed from, a tensor other than a parameter with ``requires_grad``
+    (``x.requires_grad_()`` for a saliency map or a gradient penalty; also the embeddings' output that Hugging
+    Face's ``enable_input_require_grads`` marks, which nothing reads). Values the last stage computed from its
+    copies of modules it does not train (:class:`.stale.Stale`) are left out. A pre-body graph is a few nodes;
+    a longer one is walked up to 256."""
+    for tensor in inputs:
+        if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or isinstance(tensor, Stale):
+            continue
+        if tensor.grad_fn is None:
+            if not isinstance(tensor, nn.Parameter):
+                return True
+            continue
+        nodes, seen = [tensor.grad_fn], set()
+        while nodes and len(seen) < 256:
+            node = nodes.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)  # an AccumulateGrad: the leaf it accumulates into
+            if variable is not None and not isinstance(variable, nn.Parameter):
+                return True
+            nodes.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def present_whole_body(stand_in: StandIn, body: nn.Module) -> None:

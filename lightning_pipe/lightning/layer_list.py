@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.errors import BodyCallError
-from lightning_pipe.lightning.body import BodyReached, StandIn
+from lightning_pipe.lightning.body import BodyReached, StandIn, asks_for_gradient
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
@@ -307,6 +307,8 @@ class PipelinedLayerList(StandIn, nn.Module):
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: blocks under no_grad
         structure, tensors = self._split(args[1:], kwargs)
         if self.mode == "replace":
+            if index == 0:  # see .steps: an autograd error through the body is explained only if the input asked
+                self.__dict__["input_asks_grad"] = torch.is_grad_enabled() and asks_for_gradient(args[:1])
             if self._seen and index == self._seen[-1][0] + 1:  # the order is end_step's to check
                 self._refuse_changed_hidden(index, args[0])
             self._seen.append((index, structure, tensors))

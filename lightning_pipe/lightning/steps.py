@@ -124,7 +124,7 @@ class StepRunner:
                         output = getattr(self.module, self.hook)(batch, *self.hook_args)
                     except RuntimeError as error:
                         release.explain_meta_error(error, self.module, self.body_path, self.hook)
-                        if mode == "replace" and self.stand_in.reached():
+                        if mode == "replace" and self.stand_in.input_asks_grad:
                             _explain_unused_input(error, self.hook)
                         raise
                     finally:
@@ -273,11 +273,12 @@ class StepRunner:
 
 
 def _explain_unused_input(error: RuntimeError, hook: str) -> None:
-    """Raise a named error for autograd's about a differentiated tensor not used in the graph, in a step that called
-    the body: on the last stage the body's output is the pipeline's, computed on other processes, so a gradient with
-    respect to the body's input (a gradient penalty, a saliency map) is not in its graph. The input asking for a
-    gradient is not refused as such: Hugging Face's ``enable_input_require_grads`` (LoRA, gradient checkpointing)
-    makes the embeddings' output ask for one that nothing reads. Returns for any other error."""
+    """Raise a named error for autograd's about a differentiated tensor not used in the graph, in a step whose body
+    input asked for a gradient (:func:`.body.asks_for_gradient`): on the last stage the body's output is the
+    pipeline's, computed on other processes, so a gradient with respect to the body's input (a gradient penalty, a
+    saliency map) is not in its graph. The input asking is not refused as such: Hugging Face's
+    ``enable_input_require_grads`` (LoRA, gradient checkpointing) makes the embeddings' output ask for a gradient
+    that nothing reads. Returns for any other error."""
     if "not have been used in the graph" not in str(error):
         return
     raise BodyCallError(
