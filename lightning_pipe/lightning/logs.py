@@ -3,11 +3,11 @@
 The last stage runs the user's step once per microbatch. :class:`LogRecorder` catches those
 ``self.log`` calls instead of handing them to Lightning, folds them into the calls one step over
 the whole batch would make (the loss like the loss; a ``Metric`` logged on step, or the value its
-call returned, by computing it over the batch; other values with the name's own ``reduce_fx``: a size-weighted mean for
-``"mean"``, the sum for ``"sum"``, the max or min), and after the step every rank of the
-pipeline replays the same calls. So every rank (rank 0 included, whose loggers, progress bar
-and checkpoint callbacks read them) sees the values DDP would log for the whole batch, and
-``sync_dist`` reduces over the replicas of its stage only. torchmetrics ``Metric`` objects are
+call returned, by computing it over the batch; other values with the name's own ``reduce_fx``: a
+size-weighted mean for ``"mean"``, the sum for ``"sum"``, the max or min), and after the step
+every rank of the pipeline replays the same calls. So every rank (rank 0 included, whose
+loggers, progress bar and checkpoint callbacks read them) sees the values DDP would log for the
+whole batch, and ``sync_dist`` reduces over the replicas of its stage only. torchmetrics ``Metric`` objects are
 mirrored: their states travel from the last stage to the other stages of the pipeline, so
 ``compute()`` gives the same value everywhere and syncs over the data-parallel group, never over
 ranks that did not update them.

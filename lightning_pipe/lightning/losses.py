@@ -19,9 +19,8 @@ ignored ones is left to the rule above, with a warning.
 
 Other results of the step (``on_train_batch_end``'s ``outputs``) merge the same way: tensors whose
 rows follow the samples are concatenated (a 0-dim tensor from a one-sample microbatch counts as a
-row), lists joined, numbers and 0-dim tensors combined like the loss (``num_items`` and integers,
-which count, summed),
-anything else (a per-batch tensor such as a confusion matrix, with a warning) kept as a list with
+row), lists joined, numbers and 0-dim tensors combined like the loss (``num_items`` and other
+integers summed, as counts, an index kept), anything else (a per-batch tensor such as a confusion matrix, with a warning) kept as a list with
 one value per microbatch; :func:`merge` gives the rules.
 """
 
@@ -304,7 +303,6 @@ class Shapes:
         if key not in self.varied and len({v.shape for v in values}) == 1 and len(set(sizes)) > 1:
             self.not_batched.add(key)
         return key in self.varied or key not in self.not_batched
-
 
     def counts(self, values: List[Any]) -> bool:
         """Whether integers the step returned (one per microbatch) count something per microbatch, their sum
