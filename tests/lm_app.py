@@ -336,7 +336,7 @@ class SumRegression(pl.LightningModule):
 
 
 class GradientPenalty(SumRegression):
-    """A WGAN-GP-style penalty: the gradient of the body's output with respect to its input (refused)."""
+    """A WGAN-GP-style penalty: the gradient of the body's output with respect to its input (BodyCallError)."""
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -756,10 +756,10 @@ CASES = {
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"),
     "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
-    "tied_seq": (TiedSequential, "tokens"), "tied_once": (TiedSavedOnce, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "penalty": (GradientPenalty, "regression"),
-    "warmup_in_step": (WarmupInStep, "regression"),
-    "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
-    "failing_log": (lambda: FailingAfterBody("training"), "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
+    "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
+    "tied_once": (TiedSavedOnce, "tokens"), "penalty": (GradientPenalty, "regression"),
+    "warmup_in_step": (WarmupInStep, "regression"), "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
+    "failing_log": (lambda: FailingAfterBody("training"), "regression"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
     "unbalanced_pair": (lambda: Unbalanced(mixes=2), "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
