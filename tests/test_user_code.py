@@ -90,11 +90,12 @@ def test_blocks_called_under_no_grad_in_a_training_step_are_refused_on_every_ran
     assert "training_step called the body `self.layers` with gradients disabled" in output, output[-4000:]
 
 
-def test_a_gradient_with_respect_to_the_bodys_input_is_refused_on_every_rank(tmp_path_factory):
-    """Regression (review): `torch.autograd.grad(out.sum(), x)` for a gradient penalty or a saliency map stopped with
-    autograd's own error ("appears to not have been used in the graph") inside a PipelineStepError, naming nothing of
-    the cause: on the last stage the body's output is not computed from x. Not refused before: Hugging Face's
-    enable_input_require_grads (LoRA, gradient checkpointing) makes the embeddings' output ask for a gradient."""
+def test_a_gradient_with_respect_to_the_bodys_input_stops_every_rank_with_a_named_error(tmp_path_factory):
+    """Regression (review J): `torch.autograd.grad(out.sum(), x)` for a gradient penalty or a saliency map stopped
+    with autograd's own error ("appears to not have been used in the graph") inside a PipelineStepError, naming
+    nothing of the cause: on the last stage the body's output is not computed from x. An input asking for a gradient
+    is not refused by itself (review M): Hugging Face's enable_input_require_grads (LoRA, gradient checkpointing)
+    makes the embeddings' output ask for one that nothing reads."""
     output = _refused_on_every_rank(tmp_path_factory, "penalty", "BodyCallError")
     assert "training_step asked autograd for a gradient through the body (The differentiated Tensor at index 0 " \
            "appears to not have been used in the graph" in output, output[-4000:]
