@@ -72,9 +72,12 @@ class StepRunner:
         the optimizers' settings before a training step, which no run of it may change."""
         self.hook, self.hook_args, self.pipeline, self.account, self.settings = hook, hook_args, pipeline, None, settings
         self._training_steps += hook == "training_step"
-        trainer = self.module.trainer
         # integers a result may return as they are (not the epoch: small, it would often equal a count)
-        self.shapes[hook].indices = {*(a for a in hook_args if type(a) is int), trainer.global_step}
+        indices = {a for a in hook_args if type(a) is int}
+        trainer = getattr(self.module, "_trainer", None)  # `.trainer` raises where none is attached (unit tests)
+        if trainer is not None:
+            indices.add(trainer.global_step)
+        self.shapes[hook].indices = indices
 
     @property
     def first_training_step(self) -> bool:
