@@ -296,12 +296,12 @@ def test_pipe_size_must_divide_the_world_before_any_collective():
     init.assert_not_called()
 
 
-def _setup(strategy, module, precision=None):
+def _setup(strategy, module, precision=None, **trainer):
     strategy.accelerator = mock.Mock()
     strategy.connect(module)
     if precision is not None:
         strategy.precision_plugin = precision
-    strategy.setup(SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING)))
+    strategy.setup(SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), **trainer))
 
 
 def test_manual_optimization_is_refused():
@@ -320,6 +320,13 @@ def test_a_backward_override_is_refused_where_the_pipeline_would_skip_it():
 
     with pytest.raises(ConfigurationError, match="overrides LightningModule.backward"):
         _setup(_strategy(2, 2, 0), OwnBackward())
+
+
+def test_a_time_based_validation_interval_is_refused_where_the_stages_would_disagree():
+    """Review N: Lightning decides a time-based val_check_interval on each process's clock (training_epoch_loop.py,
+    2.6.6), so one stage could start validating while another trains on: refused at setup, on every rank."""
+    with pytest.raises(ConfigurationError, match=r"validates after 3600.0 seconds, which each process measures"):
+        _setup(_strategy(2, 2, 0), OneBody(), _val_check_time_interval=3600.0)
 
 
 def test_fp16_loss_scaler_is_shared_by_the_job_in_the_same_state():

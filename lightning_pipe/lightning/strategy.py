@@ -351,6 +351,13 @@ class PipeStrategy(DDPStrategy):
                 "pipeline computes each stage's gradients itself, microbatch by microbatch, from the loss the step "
                 "returns (training with the override ignored would differ from DDP). Put what the override does into "
                 "the returned loss (a scale, an extra term) or into on_after_backward, and remove the override")
+        seconds = getattr(trainer, "_val_check_time_interval", None)
+        if fitting and self.pp_size > 1 and seconds is not None:
+            raise ConfigurationError(
+                f"Trainer(val_check_interval=...) given as a time validates after {seconds} seconds, which each "
+                "process measures on its own clock: the processes of a pipeline would start validation after "
+                "different batches and wait for each other until the timeout. Give it as a number of batches or a "
+                "fraction of the epoch")
         if fitting:
             self._refuse_unsupported_callbacks(trainer)
             self._train_ended = False
