@@ -267,11 +267,7 @@ class BufferWatch:
 def optimizer_settings(trainer: Any) -> List[Tuple[str, Dict[str, Any]]]:
     """What a training step must leave alone: each param group's settings (``lr``, ``momentum``, ...) of each
     optimizer, and each learning-rate scheduler's step count, as ``(where, settings)`` pairs."""
-    # a tensor (a capturable optimizer's lr) by its version: no copy, and no device sync to compare; an inference
-    # tensor has no version: a copy
-    copy = lambda value: value if not isinstance(value, torch.Tensor) else value.clone() if value.is_inference() \
-        else _Version(value, value._version)  # noqa: E731
-    settings = [(f"optimizer {i} param group {j}", {k: copy(v) for k, v in group.items() if k != "params"})
+    settings = [(f"optimizer {i} param group {j}", {k: _kept(v) for k, v in group.items() if k != "params"})
                 for i, optimizer in enumerate(trainer.optimizers) for j, group in enumerate(optimizer.param_groups)]
     settings += [(f"lr scheduler {i}", {k: getattr(config.scheduler, k) for k in ("last_epoch", "_step_count")
                                         if hasattr(config.scheduler, k)})
@@ -308,6 +304,14 @@ def refuse_changed_settings(hook: str, before: List[Tuple[str, Dict[str, Any]]],
             "rank: a learning-rate scheduler from configure_optimizers (interval='step' for a warm-up), or the "
             "optimizer_step or on_train_batch_start hook"
         )
+
+
+def _kept(value: Any) -> Any:
+    """A setting as :func:`optimizer_settings` keeps it: a tensor (a capturable optimizer's lr) by its version, no
+    copy and no device sync to compare; an inference tensor, which has no version, as a copy."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.clone() if value.is_inference() else _Version(value, value._version)
 
 
 class _Version(NamedTuple):
