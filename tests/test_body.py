@@ -254,6 +254,9 @@ def test_a_block_call_wrapped_in_torch_checkpoint_or_unpacked_is_refused(mode):
     x = torch.randn(3, 4, requires_grad=True)
     with pytest.raises(BodyCallError, match="called inside torch.utils.checkpoint .* PipeStrategy\\(checkpoint="):
         torch.utils.checkpoint.checkpoint(layers[0], x, use_reentrant=False)
+    for reentrant in (False, True):  # regression (review O): through a lambda, refused later with a wrong cause
+        with pytest.raises(BodyCallError, match="called inside torch.utils.checkpoint"):
+            torch.utils.checkpoint.checkpoint(lambda h, block=layers[0]: block(h), x, use_reentrant=reentrant)
     with pytest.raises(BodyCallError, match="unpacked or iterated block 0"):
         attn, ff = layers[0]
     whole, _ = stand_in(0, 4, num_stages=1)
@@ -307,8 +310,6 @@ def test_a_stand_in_made_from_a_stand_in_keeps_the_hidden_states_metadata():
 def test_a_whole_models_state_dict_loads_strictly_into_a_stand_in_which_takes_its_own_layers(kind):
     """Pretrained weights loaded in on_fit_start (`self.model.load_state_dict(whole)`): the other stages' layers
     are theirs to load, so a strict load succeeds and fills this rank's layers (regression: "Unexpected key(s)")."""
-    from collections import OrderedDict
-
     from lightning_pipe.lightning.body import PipelinedSequential, present_whole_body
 
     whole = nn.Sequential(*[Block() for _ in range(4)])
@@ -362,3 +363,155 @@ def test_a_forward_hook_put_on_a_block_during_the_step_is_refused_and_one_put_be
         s[0](x)
     handle.remove()
     s.begin_step("local")
+
+
+class ContextBlock(nn.Module):
+    """A block reading what the loop hands it besides the hidden state: a dict, a list or an object."""
+
+    def __init__(self, fills: bool = True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.fills = fills
+
+    def forward(self, x, ctx=None, sink=None):
+        depth = ctx["depth"] if isinstance(ctx, dict) else ctx[0] if isinstance(ctx, list) else ctx.depth
+        y = torch.tanh(self.linear(x)) * (1 + depth)
+        if sink is not None and self.fills:
+            sink.append(y.pow(2).mean())  # a per-block auxiliary loss handed back through a list
+        return y
+
+
+class Depth:
+    def __init__(self, depth: int = 0) -> None:
+        self.depth = depth
+
+
+def _two_stages(blocks):
+    first, _ = stand_in(0, 2, blocks)
+    last, _ = stand_in(2, 4, blocks, stage_index=1)
+    last.channel = first.channel  # one store in a real job
+    return first, last
+
+
+def _pipelined(first, last, loop, x):
+    """The output of ``loop`` on two stages: the first stage's loop up to its final call, the last stage's run."""
+    first.begin_step("stop")
+    with pytest.raises(BodyReached) as reached:
+        loop(first, x)
+    (out,) = last(*reached.value.outputs)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "object", "object_kept"])
+def test_extra_arguments_the_loop_changes_between_calls_reach_each_block_as_it_was_called(kind):
+    """Regression (review O): a dict (or list, or object) changed in place between the calls (`ctx["depth"] += 1`)
+    reached every block with its first call's contents: the loop's same object counted as the same arguments, and
+    the stages trained a different model (weights up to 1.8e3 apart after 4 steps). An object kept across steps
+    and changed between them (`object_kept`) reached the blocks as the first step had it."""
+    blocks = [ContextBlock() for _ in range(4)]
+    kept = Depth()
+
+    def loop(layers, x, start=0):
+        ctx = {"dict": lambda: {"depth": start}, "list": lambda: [start], "object": lambda: Depth(start)}.get(kind)
+        ctx = ctx() if ctx is not None else kept
+        if kind == "object_kept":
+            kept.depth = start
+        for block in layers:
+            x = block(x, ctx=ctx)
+            if kind == "dict":
+                ctx["depth"] += 1
+            elif kind == "list":
+                ctx[0] += 1
+            else:
+                ctx.depth += 1
+        return x
+
+    first, last = _two_stages(blocks)
+    x = torch.randn(3, 4)
+    for start in (0, 5, 5):  # the first pass runs the first stage's blocks as called; later ones at the end
+        torch.testing.assert_close(_pipelined(first, last, lambda layers, h: loop(layers, h, start), x),
+                                   loop(blocks, x, start))
+
+
+def test_an_extra_tensor_changed_in_place_after_its_block_call_is_refused():
+    """Regression (review O): `scale.mul_(0.5)` between the calls reached every block with the last value."""
+    first, _ = stand_in(0, 2)
+
+    def loop(layers, x):
+        scale = torch.ones(())
+        for block in layers:
+            x = block(x, scale)
+            scale.mul_(0.5)
+        return x
+
+    for _ in range(2):
+        first.begin_step("stop")
+        with pytest.raises(BodyCallError, match=r"changed a tensor in place after giving it to block 0 .* scale \* 0.5"):
+            loop(first, torch.randn(3, 4))
+
+
+def test_a_block_filling_a_list_the_loop_gave_it_is_refused_on_every_stage():
+    """Regression (review O): an auxiliary loss each block appended to a list the loop passed (`sink`) never
+    reached the loop, whose copy stayed empty: the loss was silently left out."""
+
+    def loop(layers, x):
+        sink = []
+        for block in layers:
+            x = block(x, ctx=[0], sink=sink)
+        return x
+
+    first, _ = stand_in(0, 2, [ContextBlock() for _ in range(4)])
+    for _ in range(2):  # the first pass runs the blocks as called, later ones at the final call
+        first.begin_step("stop")
+        with pytest.raises(BodyCallError, match="block 0 changed a list or dict the loop gave it"):
+            loop(first, torch.randn(3, 4))
+    first, last = _two_stages([ContextBlock(fills=i == 3) for i in range(4)])
+    with pytest.raises(BodyCallError, match="block 3 changed a list or dict the loop gave it"):
+        _pipelined(first, last, loop, torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("where", ["block", "part"])
+def test_a_tensor_a_block_sets_as_it_runs_read_by_the_loop_is_refused(where):
+    """Regression (review O): `sum(block.aux for block in self.layers)` after the loop read each block's initial
+    value on a process not holding it, and the last run's value where it did: part of the loss was lost."""
+    blocks = [Block() for _ in range(4)]
+    for block in blocks:
+        block.aux = torch.zeros(())
+        block.linear.aux = torch.zeros(())
+    layers, _ = stand_in(2, 4, blocks, stage_index=1)
+    assert float(sum(block.aux for block in layers)) == 0.0  # outside the steps: the block's attribute, as usual
+
+    def loop(layers, x):
+        for block in layers:
+            x = block(x)
+        assert layers[3].kind == "full_attention" and layers[3].linear.weight.shape == (4, 4)  # these read fine
+        return x + sum(block.aux if where == "block" else block.linear.aux for block in layers)
+
+    path = "aux" if where == "block" else "linear.aux"
+    with pytest.raises(BodyCallError, match=f"the loop read `{path}` of block 0, a tensor the block keeps as a plain"):
+        _replace_step(layers, loop)
+
+
+def test_a_hook_may_set_an_attribute_of_a_block_and_the_step_may_not():
+    """Regression (review O): `block.drop_rate = ...` from on_train_batch_start raised a bare AttributeError
+    (the proxy has slots); every process runs the hook, so it is set on every copy. Set in the step, it would not
+    reach the blocks of a middle stage, which never runs the step."""
+    layers, blocks = stand_in(2, 4, stage_index=1)
+    for block in layers:
+        block.drop_rate = 0.25
+    assert [block.drop_rate for block in blocks] == [0.25] * 4
+    layers.begin_step("replace", (torch.randn(3, 4),))
+    with pytest.raises(BodyCallError, match="the step set `drop_rate` on block 0; .*on_train_batch_start"):
+        layers[0].drop_rate = 0.5
+
+
+@pytest.mark.parametrize("mode", ["stop", "replace"])
+def test_a_blocks_output_given_to_the_next_block_as_an_extra_argument_is_refused(mode):
+    """Regression (review O): `block(x, prev=x)` was refused with a message about a `detach` the loop never wrote."""
+    layers, _ = stand_in(0 if mode == "stop" else 2, 2 if mode == "stop" else 4, stage_index=0 if mode == "stop" else 1)
+    for learning_pass in range(2 if mode == "stop" else 1):
+        layers.begin_step(mode, (torch.randn(3, 4),))
+        x = torch.randn(3, 4)
+        with pytest.raises(BodyCallError, match=r"gave a block's output to the next block as an extra argument"):
+            for block in layers:
+                x = block(x, mask=x)

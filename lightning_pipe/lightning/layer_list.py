@@ -125,9 +125,11 @@ class CallChannel:
         self._last: Optional[Tuple[Structure, int]] = None
 
     def publish(self, structure: Structure) -> int:
-        if self._last is not None and _same_structure(self._last[0], structure):
-            return self._last[1]
         spec, constants, slots = structure
+        copied = _copied_per_run(constants)
+        # the shortcut compares objects by identity: one the loop changes between calls must be pickled again
+        if not copied and self._last is not None and _same_structure(self._last[0], structure):
+            return self._last[1]
         try:  # the tree spec in torch's own serialized form (pickling a TreeSpec is deprecated)
             data = pickle.dumps((treespec_dumps(spec), constants, slots))
         except Exception as exc:
@@ -139,7 +141,7 @@ class CallChannel:
         if key not in self._by_key and self.store is not None:
             self.store.set(f"{key:x}", data)
         self._by_key[key] = structure
-        if _copied_per_run(constants):
+        if copied:
             self._records[key] = data
         self._last = (structure, key)
         return key
@@ -160,6 +162,12 @@ class CallChannel:
         return spec, pickle.loads(record)[1], slots
 
 
+def _frozen(value: Any) -> bool:
+    """Whether ``value`` is a tensor, a plain value or a tuple of them: what the loop cannot change in place but
+    through a tensor's own in-place operations, which its version counts."""
+    return isinstance(value, (torch.Tensor, *_VALUES)) or type(value) is tuple and all(map(_frozen, value))
+
+
 def _same_structure(a: Structure, b: Structure) -> bool:
     return a[0] == b[0] and a[2] == b[2] and all(_same(x, y) for x, y in zip(a[1], b[1]))
 
@@ -174,7 +182,7 @@ class BlockProxy:
         self._index = index
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._owner.mode != "local" and sys._getframe(1).f_code.co_filename == _CHECKPOINT_FILE:
+        if self._owner.mode != "local" and _inside_checkpoint(sys._getframe(1)):
             raise BodyCallError(
                 f"block {self._index} was called inside torch.utils.checkpoint (e.g. Hugging Face's "
                 "gradient_checkpointing_enable()); under PipeStrategy each stage runs its own blocks, so checkpoint "
@@ -190,13 +198,52 @@ class BlockProxy:
         )
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._owner.blocks[self._index], name)
-        if isinstance(value, nn.Module) and self._owner.mode != "local":
-            return _PartOfBlock(value, self._index, name)
+        block = self._owner.blocks[self._index]
+        value = getattr(block, name)
+        if self._owner.mode != "local":
+            if isinstance(value, nn.Module):
+                return _PartOfBlock(value, self._index, name)
+            _refuse_run_state(block, name, value, self._index, name)
         return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in BlockProxy.__slots__:
+            object.__setattr__(self, name, value)
+            return
+        if self._owner.mode != "local":
+            raise BodyCallError(
+                f"the step set `{name}` on block {self._index}; under PipeStrategy the blocks run on their stages, and "
+                "a stage that holds neither the body's start nor its end never runs your step, so its blocks would not "
+                "see it. Set it from a hook that runs before the step (on_train_batch_start), which every process runs"
+            )
+        setattr(self._owner.blocks[self._index], name, value)  # a hook: every process sets it on its copy
 
     def __repr__(self) -> str:
         return f"BlockProxy({self._index}: {type(self._owner.blocks[self._index]).__name__})"
+
+
+def _inside_checkpoint(frame: Any, depth: int = 4) -> bool:
+    """Whether one of the ``depth`` innermost callers is torch.utils.checkpoint (the block called by it directly,
+    or through a lambda or a small wrapper)."""
+    while frame is not None and depth > 0:
+        if frame.f_code.co_filename == _CHECKPOINT_FILE:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+def _refuse_run_state(module: nn.Module, name: str, value: Any, index: int, path: str) -> None:
+    """Refuse a tensor a block keeps as a plain attribute (not a parameter or buffer), read by the loop while the
+    pipeline runs: such a tensor is set as the block runs (an auxiliary loss, a router's load), and the blocks run
+    on their stages, outside the step."""
+    if isinstance(value, torch.Tensor) and name in vars(module):
+        raise BodyCallError(
+            f"the loop read `{path}` of block {index}, a tensor the block keeps as a plain attribute (one it sets as it "
+            "runs, such as an auxiliary loss); under PipeStrategy the blocks run on their stages, outside your step, so "
+            "this process's value is not this microbatch's, or is the block's initial value where another stage holds "
+            "it. Let the blocks return only the hidden state (an auxiliary loss can reach the backward through it); a "
+            "constant tensor can be a buffer (`register_buffer(name, tensor, persistent=False)`)"
+        )
 
 
 class _PartOfBlock:
@@ -217,7 +264,10 @@ class _PartOfBlock:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._module, name)
-        return _PartOfBlock(value, self._index, f"{self._name}.{name}") if isinstance(value, nn.Module) else value
+        if isinstance(value, nn.Module):
+            return _PartOfBlock(value, self._index, f"{self._name}.{name}")
+        _refuse_run_state(self._module, name, value, self._index, f"{self._name}.{name}")
+        return value
 
 
 class PipelinedLayerList(StandIn, nn.Module):
@@ -242,7 +292,9 @@ class PipelinedLayerList(StandIn, nn.Module):
         self.ranges = [tuple(r) for r in ranges]
         self.length = len(blocks)
         self.channel = channel
-        self._seen: List[Tuple[int, Structure, List[torch.Tensor]]] = []
+        # per block call: (index, structure, tensors), and on the first stage its content key (for structures
+        # holding objects copied per run, else None) and the tensors' versions at the call
+        self._seen: List[tuple] = []
         self._handed: Optional[torch.Tensor] = None  # the stand-in (or hidden state) the last call returned
         # learned on the first stage from the loop's first pass: what a block returns besides the hidden state
         self._tail: Any = _UNKNOWN  # None (the hidden state alone) or (tuple type, the other elements)
@@ -284,7 +336,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         self.begin_step("local")
         if mode != "replace" and not (mode == "stop" and seen):  # the first stage stops at the final call
             return
-        order = [index for index, _, _ in seen]
+        order = [call[0] for call in seen]
         if order != list(range(self.length)):
             raise BodyCallError(
                 f"{hook} called the blocks of `self.{path}` in the order {order}; under PipeStrategy the loop must call "
@@ -333,13 +385,22 @@ class PipelinedLayerList(StandIn, nn.Module):
     def _split(self, args: tuple, kwargs: dict) -> Tuple[Structure, List[torch.Tensor]]:
         """:func:`split_call`, reusing the previous call's result when the loop passes the very same objects
         (a loop gives every block the same mask, the same rotary tuple: flattening them again per block is most
-        of a call's cost)."""
+        of a call's cost), if they are tensors, plain values or tuples of them: a dict, a list or another object
+        may have been changed in place since (`ctx["layer"] += 1`), and is taken apart again."""
         last = self.__dict__.get("_last_split")
         if last is not None and len(last[0]) == len(args) and last[1].keys() == kwargs.keys() \
                 and all(a is b for a, b in zip(last[0], args)) and all(last[1][k] is v for k, v in kwargs.items()):
             return last[2], last[3]
         structure, tensors = split_call(args, kwargs)
-        self.__dict__["_last_split"] = (args, kwargs, structure, tensors)
+        frozen = all(map(_frozen, args)) and all(map(_frozen, kwargs.values()))
+        self.__dict__["_last_split"] = (args, kwargs, structure, tensors) if frozen else None
+        for tensor in tensors:
+            if isinstance(tensor, HiddenStandIn) or tensor is self._handed:
+                raise BodyCallError(
+                    "the loop gave a block's output to the next block as an extra argument besides the hidden state "
+                    "(e.g. `block(x, prev=x)`); under PipeStrategy only the hidden state crosses from block to block. "
+                    "Compute what the block needs from its first argument inside the block"
+                )
         return structure, tensors
 
     def _first_stage_call(self, index: int, args: tuple, structure: Structure, tensors: List[torch.Tensor]) -> Any:
@@ -355,7 +416,9 @@ class PipelinedLayerList(StandIn, nn.Module):
                                 f"once, in order, starting at block 0")
         if seen:
             self._refuse_changed_hidden(index, args[0])
-        seen.append((index, structure, tensors))
+        # objects other than plain values are pickled now, as the block would see them, tensors' versions noted
+        key = self.channel.publish(structure) if _copied_per_run(structure[1]) else None
+        seen.append((index, structure, tensors, key, [t._version for t in tensors]))
         start, stop = self.ranges[0]
         if index == 0:
             self.__dict__.update(_input=args[0], _learning=self._tail is _UNKNOWN)
@@ -364,13 +427,13 @@ class PipelinedLayerList(StandIn, nn.Module):
         if index == self.length - 1:
             self._reach(seen, learned=self._output if self._learning else None)
         if self._learning and index < stop:  # the first pass: this stage's block runs now
-            key = self.channel.publish(structure)
+            key = key if key is not None else self.channel.publish(structure)
 
             def run(hidden: torch.Tensor) -> Any:  # its own copy of the arguments, the recomputation's too
-                block_args, block_kwargs = join_call(self.channel.lookup(key), tensors)
-                return self.blocks[index](hidden, *block_args, **block_kwargs)
+                return _call_block(self.blocks[index], index, hidden, join_call(self.channel.lookup(key), tensors))
 
             out = self.run_checkpointed(run, args[0])
+            seen[-1][4][:] = [t._version for t in tensors]  # what the block changed in place, it changes everywhere
             self.__dict__["_handed"] = _hidden_of(out, index)
             if index == stop - 1:
                 self._tail = None if isinstance(out, torch.Tensor) else (type(out), tuple(out[1:]))
@@ -379,21 +442,33 @@ class PipelinedLayerList(StandIn, nn.Module):
         tail = self._tail if self._tail is not _UNKNOWN else None
         return self._handed if tail is None else tail[0]((self._handed, *tail[1]))
 
-    def _reach(self, seen: List[Tuple[int, Structure, List[torch.Tensor]]], learned: Optional[torch.Tensor]) -> None:
+    def _reach(self, seen: List[tuple], learned: Optional[torch.Tensor]) -> None:
         """At the loop's final block call on the first stage: the stage's output and the message for the next
         stage (one set of extra arguments when every block got the same, else one per block); the step stops.
 
         Args:
             learned: in the first pass, the stage's output (its blocks ran as they were called).
         """
-        _, first, tensors = seen[0]
+        for index, _, tensors, _, versions in seen:
+            changed = [k for k, (t, v) in enumerate(zip(tensors, versions)) if t._version != v]
+            if changed:
+                raise BodyCallError(
+                    f"the loop changed a tensor in place after giving it to block {index} (its extra tensor argument "
+                    f"{changed[0]}, e.g. `scale.mul_(0.5)` between the calls); under PipeStrategy the blocks run after "
+                    f"the loop's last call, so block {index} would see the changed value. Give each block its own tensor "
+                    "(`scale = scale * 0.5`)"
+                )
+        _, first, tensors, key, _ = seen[0]
         same = all((structure is first and others is tensors) or (
-            _same_structure(first, structure) and len(tensors) == len(others)
-            and all(a is b for a, b in zip(tensors, others))) for _, structure, others in seen[1:])
-        if not same:
-            calls = tuple(join_call(structure, others) for _, structure, others in seen)
+            (key is None and other_key is None and _same_structure(first, structure) or
+             key is not None and other_key == key) and len(tensors) == len(others)
+            and all(a is b for a, b in zip(tensors, others))) for _, structure, others, other_key, _ in seen[1:])
+        if not same:  # objects as each block's call saw them: their copies from the records
+            calls = tuple(join_call(self.channel.lookup(k) if k is not None else structure, others)
+                          for _, structure, others, k, _ in seen)
             first, tensors = split_call((), {_PER_BLOCK: calls})
-        key = self.channel.publish(first)
+            key = None
+        key = key if key is not None else self.channel.publish(first)
         hidden = learned if learned is not None else self.run_checkpointed(
             lambda h: self.run_blocks(h, join_call(self.channel.lookup(key), tensors), *self.ranges[0]), self._input)
         raise BodyReached((hidden, *tensors, torch.tensor([key], dtype=torch.int64, device=hidden.device)))
@@ -406,7 +481,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         for i in range(start, stop):
             if per_block is not None:
                 args, kwargs = per_block[i]
-            out = self.blocks[i](hidden, *args, **kwargs)
+            out = _call_block(self.blocks[i], i, hidden, (args, kwargs))
             if i == self.length - 1:
                 return out
             hidden = _hidden_of(out, i)
@@ -513,6 +588,33 @@ def _refuse_hooks_put_in_step(block: nn.Module, index: int, first: int) -> None:
                 "stages, outside the step, so it would record nothing and the step would see an empty tuple. Drop "
                 "the option (or the hook), or compute what it is needed for inside the blocks"
             )
+
+
+def _holds_container(values: Any) -> bool:
+    """Whether ``values`` hold a list or dict (directly, or in tuples): containers a block could fill that the call
+    structure takes apart (any other object reaches the block as its run's own copy, as the module docstring says)."""
+    return any(isinstance(v, (list, dict)) or isinstance(v, tuple) and _holds_container(v) for v in values)
+
+
+def _call_block(block: nn.Module, index: int, hidden: torch.Tensor, call: Tuple[tuple, dict]) -> Any:
+    """``block(hidden, *args, **kwargs)``, refusing a block that changes a container it was given: under
+    PipeStrategy each run of a stage's blocks gets its own copy of the extra arguments, so what a block puts in a
+    list the loop passes (an auxiliary loss per block) would never reach the loop."""
+    args, kwargs = call
+    if not (_holds_container(args) or _holds_container(kwargs.values())):
+        return block(hidden, *args, **kwargs)
+    leaves, spec = tree_flatten((args, kwargs))
+    out = block(hidden, *args, **kwargs)
+    after, spec_after = tree_flatten((args, kwargs))
+    if spec_after != spec or any(a is not b for a, b in zip(after, leaves)):
+        raise BodyCallError(
+            f"block {index} changed a list or dict the loop gave it (e.g. appended an auxiliary loss to it); under "
+            "PipeStrategy the blocks run on their stages, each on its own copy of the extra arguments, so what a block "
+            "puts there never reaches your loop and would be silently lost. Let the blocks return only the hidden "
+            "state; an auxiliary loss can reach the backward through it (an autograd function that returns the hidden "
+            "state and gives the loss its gradient in backward, as Megatron's MoE layers do)"
+        )
+    return out
 
 
 def _hidden_of(out: Any, index: int) -> torch.Tensor:
