@@ -360,3 +360,23 @@ def test_a_constant_batch_size_taken_for_a_count_weighs_every_step_alike():
     first, short, again = _fold_steps(step, [[5, 5], [3, 2], [5, 5]])
     assert (first["acc"]["batch_size"], short["acc"]["batch_size"], again["acc"]["batch_size"]) == (14, 14, 14)
     torch.testing.assert_close(short["acc"]["value"], torch.tensor((0.2 * 3 + 0.8 * 2) / 5))  # by sample
+
+
+def test_integers_that_differ_between_microbatches_folded_as_a_mean_are_warned_about():
+    """Review P: `self.log("correct", (pred == y).sum())` logged the size-weighted mean of the microbatches' counts,
+    a third of the batch's count that DDP logs here, with no word. A count cannot be told from the values alone:
+    integers that differ warn, with the fix; equal ones (a global step, a sequence length) and floats do not."""
+    counts = [3, 1, 2]
+
+    def step(module, i, size):
+        module.log("correct", torch.tensor(counts[i]))
+        module.log("seq_len", 16)
+        module.log("acc", torch.tensor(counts[i] / size))
+        return _loss(i)
+
+    with pytest.warns(UserWarning, match=r"self\.log\('correct', \.\.\.\) logged integers that differ .*"
+                                         r"on_train_batch_end") as record:
+        calls = {c["name"]: c for c in _record(Module(), step)}
+    assert [str(w.message)[:27] for w in record] == ["PipeStrategy: self.log('cor"]  # not the others
+    torch.testing.assert_close(calls["correct"]["value"], torch.tensor(round((3 * 4 + 1 * 3 + 2 * 3) / 10)))
+    assert calls["seq_len"]["value"] == 16

@@ -293,6 +293,7 @@ def _reduce(values: List[Any], sizes: List[int], reduce_fx: Any, by_samples: Opt
     name = _name_of(reduce_fx)
     if by_samples is not None and name in _MEAN and len(values) > 1:
         _warn_if_empty_somewhere(by_samples, stacked)
+        _warn_if_integers_differ(by_samples, values, stacked)
     if name in _MEAN and 0 in sizes and any(sizes):  # a microbatch that averaged over nothing (its mean 0/0, NaN)
         stacked = stacked[torch.tensor([size != 0 for size in sizes])]  # adds nothing to the batch's mean
         sizes = [size for size in sizes if size != 0]
@@ -398,6 +399,28 @@ def _warn_if_empty_somewhere(name: str, stacked: torch.Tensor) -> None:
         "step over the whole batch computes it over all its samples at once and logs a number: log it with the "
         "selection's size, `self.log(..., batch_size=count)`, so that the microbatches are weighted by it and an "
         "empty one counts for nothing"
+    )
+
+
+def _is_integer(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _warn_if_integers_differ(name: str, values: List[Any], stacked: torch.Tensor) -> None:
+    """Warn when integers that differ between the microbatches fold as a size-weighted mean: right for a mean
+    over samples only, which integers rarely are; a count (``(pred == y).sum()``, ``mask.sum()``) or a maximum
+    over the batch is its own value over the whole batch, which the fold cannot compute."""
+    if not all(map(_is_integer, values)) or bool((stacked == stacked[0]).all()):
+        return
+    warnings.warn(
+        f"PipeStrategy: self.log('{name}', ...) logged integers that differ between the microbatches of a step; "
+        "they fold as a mean weighted by microbatch size, which is the batch's value only for a mean over its "
+        "samples. A count (`(pred == y).sum()`, `mask.sum()`) or a maximum over the batch is not: one step over "
+        "the whole batch logs the batch's count (here about num_microbatches times the folded value). Return it "
+        "from the step (`return {'loss': loss, 'correct': correct}`: integers in the step's output are summed "
+        "as counts) and log `outputs['correct']` in on_train_batch_end, or log a mean (`correct / len(y)`)"
     )
 
 
