@@ -110,7 +110,8 @@ class LlamaBlock(nn.Module):
 
 
 class KVCache:
-    """A stand-in for Hugging Face's ``DynamicCache``: every block appends its keys, and attends over all of them."""
+    """A stand-in for Hugging Face's ``DynamicCache`` (its interface: ``update``, ``get_seq_length``): every block
+    appends its keys, and attends over all of them."""
 
     def __init__(self) -> None:
         self.keys = {}
@@ -118,6 +119,9 @@ class KVCache:
     def update(self, key, layer: int):
         self.keys.setdefault(layer, []).append(key)
         return torch.cat(self.keys[layer], dim=1)
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return sum(k.shape[1] for k in self.keys.get(layer, []))
 
 
 class CachingBlock(LlamaBlock):
@@ -356,6 +360,23 @@ class WarmupInStep(SumRegression):
         for group in self.optimizers().param_groups:
             group["lr"] = 0.002 * min(1.0, (self.global_step + 1) / 10)
         return loss
+
+
+class OtherStagesWeight(SumRegression):
+    """A penalty on the first layer's weight in the loss: on the last stage that layer is a meta copy (BodyCallError)."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + 0.05 * self.body[0].weight.pow(2).sum()
+
+
+class ModeInStep(SumRegression):
+    """The body switched to eval mode for its call and back (BodyCallError: the stages would not see it)."""
+
+    def training_step(self, batch, batch_idx):
+        self.body.eval()
+        out = self.body(batch[0])
+        self.body.train()
+        return F.mse_loss(out, batch[1], reduction="sum")
 
 
 class FailingAfterBody(SumRegression):
@@ -758,7 +779,8 @@ CASES = {
     "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "tied_once": (TiedSavedOnce, "tokens"), "penalty": (GradientPenalty, "regression"),
-    "warmup_in_step": (WarmupInStep, "regression"), "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
+    "warmup_in_step": (WarmupInStep, "regression"), "other_stages_weight": (OtherStagesWeight, "regression"),
+    "mode_in_step": (ModeInStep, "regression"), "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
     "failing_log": (lambda: FailingAfterBody("training"), "regression"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
@@ -848,7 +870,9 @@ def run(spec: dict, root: str) -> dict:
             pipe_size=spec.get("pipe_size"), num_microbatches=spec.get("microbatches", 3),
             schedule=spec.get("schedule", "1f1b"), virtual_stages=spec.get("virtual_stages"),
             checkpoint=spec.get("checkpoint", "never"),
-            loss_reduction="sum" if spec["case"] in ("sum", "experts", "experts_before", "penalty", "warmup_in_step") else "mean", body=spec.get("body"), balance=spec.get("balance"),
+            loss_reduction="sum" if spec["case"] in ("sum", "experts", "experts_before", "penalty", "warmup_in_step",
+                                                     "other_stages_weight", "mode_in_step") else "mean",
+            body=spec.get("body"), balance=spec.get("balance"),
             state_dict_type=spec.get("state_dict_type"),
         )
     else:

@@ -515,3 +515,149 @@ def test_a_blocks_output_given_to_the_next_block_as_an_extra_argument_is_refused
         with pytest.raises(BodyCallError, match=r"gave a block's output to the next block as an extra argument"):
             for block in layers:
                 x = block(x, mask=x)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "layer_list"])
+def test_a_step_switching_the_bodys_mode_is_refused_and_one_keeping_it_is_not(kind):
+    """Regression (review R): `self.body.eval()` (or `.train()`, or one layer's) in a step reached no stage: the
+    pipeline runs the layers apart from the step, in the mode Lightning set, and trained something else silently.
+    Refused at the body call (before it) and at the step's end (after it: the next microbatch's run would see it)."""
+    if kind == "sequential":
+        body = PipelinedSequential([OrderedDict(a=nn.Linear(4, 4), b=nn.Dropout(0.5))], False, (1,), 2)
+
+        def call(body, x):
+            return body(x)
+    else:
+        body, _ = stand_in(2, 4, stage_index=1)
+
+        def call(body, x):
+            for block in body:
+                x = block(x)
+            return x
+
+    body.train()
+    for change, when in ((lambda: body.eval(), "before"), (lambda: body[1].eval(), "before"),
+                         (lambda: body.train(), None), (lambda: None, "after")):
+        body.begin_step("replace", (torch.randn(3, 4),))
+        change()
+        if when == "before":
+            with pytest.raises(BodyCallError, match="the step changed the training mode of the body's layers before"):
+                call(body, torch.randn(3, 4))
+            assert body.mode == "local"
+            body.train()
+            continue
+        call(body, torch.randn(3, 4))
+        if when == "after":
+            body.eval()
+            with pytest.raises(BodyCallError, match="training_step changed the training mode .* during the step"):
+                body.end_step("training_step", "body")
+            body.train()
+        else:
+            body.end_step("training_step", "body")
+
+
+def test_a_value_from_another_stages_layer_is_refused_with_where_the_layer_lives():
+    """Regression (review R): `self.log("w0", self.body[0].weight.sum())` or a penalty on it in the step, on the last
+    stage, where that layer is a meta copy, failed with torch's "Cannot copy out of meta tensor" in the backward."""
+    from lightning_pipe.lightning.logs import LogRecorder
+    from lightning_pipe.lightning.release import explain_meta_error
+
+    class Module(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = PipelinedSequential([OrderedDict({"1": nn.Linear(4, 4)})], False, (1,), 2)
+            self.body.__dict__["whole_layers"] = [nn.Linear(4, 4, device="meta"), self.body[0]]
+
+        def log(self, *args, **kwargs):
+            raise AssertionError("recorded instead")
+
+    module = Module()
+    recorder = LogRecorder(module, "body")
+    with recorder.recording():
+        recorder.start_microbatch()
+        with pytest.raises(BodyCallError, match=r"self.log\('w0', ...\) got a tensor on the meta device: under "
+                                                r"PipeStrategy this process holds stage 1 of the 2 stages of `self.body`"):
+            module.log("w0", module.body[0].weight.sum())
+    with pytest.raises(BodyCallError, match=r"training_step computed with a tensor on the meta device \(Cannot copy"):
+        explain_meta_error(NotImplementedError("Cannot copy out of meta tensor; no data!"), module, "body",
+                           "training_step")
+    explain_meta_error(RuntimeError("shapes do not match"), module, "body", "training_step")  # others pass through
+
+
+class SharedStateBlock(nn.Module):
+    """A block that changes what the loop gives it: an object's list or count, a cache, or a tensor in place."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x, state=None, scale=None):
+        y = torch.tanh(self.linear(x))
+        if self.how == "append":
+            state.sink.append(y.pow(2).mean())  # an auxiliary loss handed back through an object
+        elif self.how == "count":
+            state.count += 1  # a count the blocks share
+            y = y * state.count
+        elif self.how == "cache":
+            state.update(y, 0)
+        elif self.how == "in_place":
+            scale.mul_(0.5)  # under DDP every later block sees the halved value too
+            y = y * scale
+        return y
+
+
+class Cache:
+    def __init__(self) -> None:
+        self.entries = []
+
+    def update(self, value, layer):
+        self.entries.append(value)
+
+    def get_seq_length(self, layer=0):
+        return len(self.entries)
+
+
+class State:
+    def __init__(self) -> None:
+        self.sink, self.count = [], 0
+
+
+@pytest.mark.parametrize("how", ["append", "count"])
+def test_a_block_changing_an_object_the_loop_gave_it_is_refused_on_every_stage(how):
+    """Regression (review Q): blocks appending an auxiliary loss to an object's list (`state.sink`), or counting in
+    it, changed their run's own copy: the loop's object stayed empty (the loss was silently left out), and the
+    count restarted on every stage (weights 1.5e-2 from DDP's after 4 steps)."""
+    def loop(layers, x):
+        state = State()
+        for block in layers:
+            x = block(x, state=state)
+        return x
+
+    first, _ = stand_in(0, 2, [SharedStateBlock(how) for _ in range(4)])
+    for _ in range(2):  # the first pass runs each block as called, later ones the stage at the final call
+        first.begin_step("stop")
+        with pytest.raises(BodyCallError, match=r"(block 0|one of blocks 0\.\.1) changed the State object the loop gave it \(its `"):
+            loop(first, torch.randn(3, 4))
+    first, last = _two_stages([SharedStateBlock(how if i == 3 else "none") for i in range(4)])
+    with pytest.raises(BodyCallError, match=r"one of blocks 2\.\.3 changed the State object the loop gave it"):
+        _pipelined(first, last, loop, torch.randn(3, 4))
+
+
+def test_a_cache_each_block_writes_and_a_tensor_a_block_changes_in_place_pass_as_under_one_process():
+    """A cache's interface (`update`, `get_seq_length`: Hugging Face's) may change; a tensor a block changes in
+    place reaches the later blocks as under one process (review Q: the first pass took the block's change for the
+    loop's and refused it)."""
+    for how in ("cache", "in_place"):
+        blocks = [SharedStateBlock(how) for _ in range(4)]
+
+        def loop(layers, x):
+            state, scale = Cache(), torch.ones(())
+            for block in layers:
+                x = block(x, state=state, scale=scale)
+            return x
+
+        first, last = _two_stages(blocks)
+        x = torch.randn(3, 4)
+        for _ in range(2):
+            torch.testing.assert_close(_pipelined(first, last, loop, x), loop(blocks, x))

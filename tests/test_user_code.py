@@ -101,6 +101,21 @@ def test_a_gradient_with_respect_to_the_bodys_input_stops_every_rank_with_a_name
            "appears to not have been used in the graph" in output, output[-4000:]
 
 
+def test_a_loss_term_from_another_stages_layer_stops_every_rank_with_a_named_error(tmp_path_factory):
+    """Regression (review R): `loss + 0.05 * self.body[0].weight.pow(2).sum()` on the last stage, where that layer
+    is a meta copy, made a meta loss that failed in the backward with torch's "Cannot copy out of meta tensor"."""
+    output = _refused_on_every_rank(tmp_path_factory, "other_stages_weight", "BodyCallError")
+    assert "training_step's loss is on the meta device: under PipeStrategy this process holds stage 1 of the 2 " \
+           "stages of `self.body`" in output, output[-4000:]
+
+
+def test_a_body_switched_to_another_mode_in_the_step_stops_every_rank_with_a_named_error(tmp_path_factory):
+    """Regression (review R): `self.body.eval()` before the body call in training_step (and `.train()` after it)
+    reached no stage: the pipeline ran the layers in train mode (step 0's loss 0.655 where DDP's is 0.749)."""
+    output = _refused_on_every_rank(tmp_path_factory, "mode_in_step", "BodyCallError")
+    assert "the step changed the training mode of the body's layers before calling it" in output, output[-4000:]
+
+
 def test_a_body_input_asking_for_a_gradient_is_told_from_parameters_and_stale_values():
     """What decides whether autograd's "not used in the graph" is explained as a gradient through the body: a
     non-parameter leaf with requires_grad, or a value computed from one (review N: an unrelated unused head's

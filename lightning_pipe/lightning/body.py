@@ -165,6 +165,7 @@ class StandIn:
         self.checkpoint_layers = False
         self.calls = 0
         self.input_asks_grad = False  # the last stage's body input asked for a gradient (see asks_for_gradient)
+        self.modes: Optional[List[bool]] = None  # training_modes() as the step's run began (see refuse_changed_modes)
 
     def chunk(self, k: int) -> nn.Module:
         """What the pipeline runs for this rank's ``k``-th stage (the stand-in itself when it holds one;
@@ -175,7 +176,37 @@ class StandIn:
         # Plain values straight into __dict__: nn.Module.__setattr__ first looks for a parameter, buffer or
         # submodule of each name, and this runs twice per microbatch on the critical path.
         self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0,
-                             grad_at_call=None, input_asks_grad=False)
+                             grad_at_call=None, input_asks_grad=False,
+                             modes=self.training_modes() if mode in ("stop", "replace") else None)
+
+    def every_layer(self) -> Sequence[nn.Module]:
+        """Every layer of the body as the user's code sees it, other stages' copies included."""
+        raise NotImplementedError
+
+    def training_modes(self) -> List[bool]:
+        """``training`` of the stand-in and of every module of every layer (the module list made once per list of
+        layers: for a 32-block model about 400 flags, read in some 15 µs)."""
+        layers = self.every_layer()
+        cached = self.__dict__.get("_mode_modules")
+        if cached is None or cached[0] is not layers:
+            cached = self.__dict__["_mode_modules"] = (layers, [self, *dict.fromkeys(
+                m for layer in layers for m in layer.modules())])
+        return [m.training for m in cached[1]]
+
+    def refuse_changed_modes(self, hook: str, when: str) -> None:
+        """Refuse a step that switched the body's layers to another mode (``self.body.eval()``) since the run began:
+        the stages run their layers apart from the step (the last one before it, a middle one never runs it), in the
+        mode the process's copies had, so they would not see it."""
+        if self.modes is not None and self.training_modes() != self.modes:
+            self.begin_step("local")
+            raise BodyCallError(
+                f"{hook} changed the training mode of the body's layers {when} (e.g. `self.body.eval()`, "
+                "`self.train()`, or one layer's `.train()`); under PipeStrategy the stages run their layers apart from "
+                "your step (the last stage before it, a middle stage never runs it), in the mode Lightning set, so "
+                "they would not see it. Switch modes in a hook every process runs before the step: "
+                "`on_validation_model_eval` (e.g. call `self.body.train()` there after `super()."
+                "on_validation_model_eval()` to keep dropout on), `on_train_batch_start` or `on_train_epoch_start`"
+            )
 
     def reached(self) -> bool:
         """Whether the user's step has called the body since :meth:`begin_step`."""
@@ -183,6 +214,7 @@ class StandIn:
 
     def end_step(self, hook: str, path: str) -> None:
         """Check how the user's step called the body; back to ``"local"``."""
+        self.refuse_changed_modes(hook, "during the step")
         mode, calls = self.mode, self.calls
         self.begin_step("local")
         if mode == "replace" and calls != 1:
@@ -303,8 +335,13 @@ class PipelinedSequential(StandIn, nn.Sequential):
             hidden = layer(hidden)
         return hidden
 
+    def every_layer(self) -> Sequence[nn.Module]:
+        whole = self.__dict__.get("whole_layers")  # set by present_whole_body; before it, the local layers
+        return whole if whole is not None else self.__dict__.setdefault("_local_layers", list(self._modules.values()))
+
     def forward(self, *inputs):
         self.refuse_if_released()
+        self.refuse_changed_modes("the step", "before calling it")
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
         if self.mode == "replace":

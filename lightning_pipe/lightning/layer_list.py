@@ -308,6 +308,9 @@ class PipelinedLayerList(StandIn, nn.Module):
     def __len__(self) -> int:
         return self.length
 
+    def every_layer(self) -> Sequence[nn.Module]:
+        return self.blocks
+
     def layer_names(self) -> List[str]:
         return [str(i) for i in range(self.length)]
 
@@ -332,6 +335,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         return bool(self._seen)  # the loop's first block call (calls counts the Sequential stand-in's)
 
     def end_step(self, hook: str, path: str) -> None:
+        self.refuse_changed_modes(hook, "during the step")
         mode, seen = self.mode, self._seen
         self.begin_step("local")
         if mode != "replace" and not (mode == "stop" and seen):  # the first stage stops at the final call
@@ -354,6 +358,8 @@ class PipelinedLayerList(StandIn, nn.Module):
                 f"block {index} was called without a tensor as its first positional argument; under PipeStrategy "
                 "the hidden state is the first positional argument of every block call"
             )
+        if index == 0:
+            self.refuse_changed_modes("the step", "before calling the blocks")
         if RemovableHandle.next_id != self._first_hook:  # a hook was registered somewhere since the step began
             _refuse_hooks_put_in_step(self.blocks[index], index, self._first_hook)
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: blocks under no_grad
@@ -430,10 +436,12 @@ class PipelinedLayerList(StandIn, nn.Module):
             key = key if key is not None else self.channel.publish(structure)
 
             def run(hidden: torch.Tensor) -> Any:  # its own copy of the arguments, the recomputation's too
-                return _call_block(self.blocks[index], index, hidden, join_call(self.channel.lookup(key), tensors))
+                return self._on_copy(key, lambda call: _call_block(self.blocks[index], index, hidden,
+                                                                  join_call(call, tensors)), f"block {index}")
 
             out = self.run_checkpointed(run, args[0])
-            seen[-1][4][:] = [t._version for t in tensors]  # what the block changed in place, it changes everywhere
+            for call in seen:  # what the block changed in place (a tensor every block gets), it changes for all
+                call[4][:] = [t._version for t in call[2]]
             self.__dict__["_handed"] = _hidden_of(out, index)
             if index == stop - 1:
                 self._tail = None if isinstance(out, torch.Tensor) else (type(out), tuple(out[1:]))
@@ -470,7 +478,7 @@ class PipelinedLayerList(StandIn, nn.Module):
             key = None
         key = key if key is not None else self.channel.publish(first)
         hidden = learned if learned is not None else self.run_checkpointed(
-            lambda h: self.run_blocks(h, join_call(self.channel.lookup(key), tensors), *self.ranges[0]), self._input)
+            lambda h: self._run_message_blocks(key, tensors, h, *self.ranges[0]), self._input)
         raise BodyReached((hidden, *tensors, torch.tensor([key], dtype=torch.int64, device=hidden.device)))
 
     def run_blocks(self, hidden: torch.Tensor, call: Tuple[tuple, dict], start: int, stop: int) -> Any:
@@ -487,11 +495,42 @@ class PipelinedLayerList(StandIn, nn.Module):
             hidden = _hidden_of(out, i)
         return hidden
 
+    def _run_message_blocks(self, key: int, tensors: Sequence[torch.Tensor], hidden: torch.Tensor, start: int,
+                            stop: int) -> Any:
+        return self._on_copy(key, lambda call: self.run_blocks(hidden, join_call(call, tensors), start, stop),
+                             f"block {start}" if stop == start + 1 else f"one of blocks {start}..{stop - 1}")
+
+    def _on_copy(self, key: int, run: Any, blocks: str) -> Any:
+        """``run(call)`` with the call structure ``key`` holding this run's own copy of its objects (see the
+        module docstring), refusing a block that changed one of them: the change would stay in this run's copy,
+        unseen by the blocks of other stages and by the loop (an auxiliary loss appended to an attribute, a counter
+        the blocks share). A cache's interface (``update`` and ``get_seq_length``, as Hugging Face's caches) is let
+        through: each layer writes its own entries and reads back only those."""
+        call = self.channel.lookup(key)
+        objects = [c for c in call[1] if not isinstance(c, _VALUES) and not _is_cache(c)]
+        if not objects:
+            return run(call)
+        before = [_attributes(o) for o in objects]
+        out = run(call)
+        for obj, state in zip(objects, before):
+            after = _attributes(obj)
+            changed = [name for name in {**state, **after} if state.get(name) != after.get(name)]
+            if changed:
+                raise BodyCallError(
+                    f"{blocks} changed the {type(obj).__name__} object the loop gave it (its `{changed[0]}`); under "
+                    "PipeStrategy each run of a stage's blocks gets its own copy of such an object, so the change "
+                    "would reach neither the blocks of other stages nor your loop (an auxiliary loss appended to it "
+                    "would be lost, a count shared by the blocks would restart on every stage). Keep what crosses "
+                    "blocks in the hidden state; objects with a cache's interface (`update` and `get_seq_length`, "
+                    "as Hugging Face's caches), where each layer reads back only what it wrote, may change"
+                )
+        return out
+
     def run_message(self, k: int, hidden: torch.Tensor, *message: torch.Tensor) -> tuple:
         """This rank's ``k``-th stage on a received message ``(hidden, *extra tensors, call id)``."""
         *tensors, key = message
         start, stop = self.ranges[k]
-        out = self.run_blocks(hidden, join_call(self.channel.lookup(int(key.item())), tensors), start, stop)
+        out = self._run_message_blocks(int(key.item()), tensors, hidden, start, stop)
         if stop == self.length:
             return (out,)  # the last stage: the final block's return value, whole, for the user's loop
         return (out, *tensors, key)
@@ -588,6 +627,20 @@ def _refuse_hooks_put_in_step(block: nn.Module, index: int, first: int) -> None:
                 "stages, outside the step, so it would record nothing and the step would see an empty tuple. Drop "
                 "the option (or the hook), or compute what it is needed for inside the blocks"
             )
+
+
+def _is_cache(obj: Any) -> bool:
+    return callable(getattr(type(obj), "update", None)) and callable(getattr(type(obj), "get_seq_length", None))
+
+
+def _attributes(obj: Any) -> Dict[str, Any]:
+    """A shallow view of ``obj``'s attributes to tell a change: plain values by value, containers by identity and
+    length, anything else by identity (empty for objects without a ``__dict__``)."""
+    state = getattr(obj, "__dict__", None)
+    if not isinstance(state, dict):
+        return {}
+    return {name: value if isinstance(value, _VALUES) else
+            (id(value), len(value) if isinstance(value, (list, dict, set)) else None) for name, value in state.items()}
 
 
 def _holds_container(values: Any) -> bool:

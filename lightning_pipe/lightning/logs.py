@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint import is_recomputing
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.lightning.release import refuse_other_stages_values
 from lightning_pipe.lightning.stale import unmark
 
 try:  # torchmetrics is a dependency of Lightning, but keep this module importable without it
@@ -162,6 +163,9 @@ class LogRecorder:
             return
         forward_of = self._forward_of(value)
         value = unmark(value, f"logged as {name!r}")
+        if isinstance(value, torch.Tensor) and value.is_meta:  # read from another stage's layer: no values here
+            refuse_other_stages_values(self.module, self.body_path, f"self.log({name!r}, ...) got a tensor on the meta "
+                                       "device")
         call = bind_log_call(name, value, *args, **kwargs)
         if isinstance(value, Metric):
             unmark(value._forward_cache, f"logged as {name!r}")

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.errors import BodyCallError, ConfigurationError
 
 try:
     from torchmetrics import Metric
@@ -96,22 +96,44 @@ def is_released(module: nn.Module) -> bool:
     return any(t is not None and t.is_meta for t in list(module._parameters.values()) + list(module._buffers.values()))
 
 
-def explain_meta_error(error: RuntimeError, module: nn.Module, body_path: str, hook: str) -> None:
-    """Raise a named error for torch's about a meta tensor in the user's step when this process released modules
-    outside the body: a parameter of one read as an attribute (``self.post.weight``), which no hook sees, in a step
-    that the first training step did not show (a validation step, say). Returns for any other error."""
+def explain_meta_error(error: Exception, module: nn.Module, body_path: str, hook: str) -> None:
+    """Raise a named error for torch's about a meta tensor in the user's step: this process released modules outside
+    the body (a parameter of one read as an attribute, ``self.post.weight``, which no hook sees, in a step that the
+    first training step did not show, a validation step say), or holds part of the body, whose other layers are meta
+    copies here (:func:`refuse_other_stages_values`). Returns for any other error."""
     if "meta" not in str(error):
         return
     released = [path or "the LightningModule" for path, m in named_outside_body(module, body_path) if is_released(m)]
-    if released:
-        raise ConfigurationError(
-            f"{hook} computed with a tensor on the meta device ({error}). On this process PipeStrategy released the "
-            f"weights of {[f'self.{p}' for p in released]} after the first training step, which neither used them "
-            "here nor computed a gradient for them here: a parameter or buffer of one read as an attribute (`x @ "
-            "self.proj.weight`) has no values. A module must be used from the first training step on by the stages "
-            "that will use it; fix: read it in every training step from the first (e.g. add `0.0 * "
-            "self.proj.weight.sum()` to the loss), or do the work outside the LightningModule"
-        ) from error
+    if not released:
+        refuse_other_stages_values(module, body_path, f"{hook} computed with a tensor on the meta device ({error})",
+                                   error)
+        return
+    raise ConfigurationError(
+        f"{hook} computed with a tensor on the meta device ({error}). On this process PipeStrategy released the "
+        f"weights of {[f'self.{p}' for p in released]} after the first training step, which neither used them "
+        "here nor computed a gradient for them here: a parameter or buffer of one read as an attribute (`x @ "
+        "self.proj.weight`) has no values. A module must be used from the first training step on by the stages "
+        "that will use it; fix: read it in every training step from the first (e.g. add `0.0 * "
+        "self.proj.weight.sum()` to the loss), or do the work outside the LightningModule"
+    ) from error
+
+
+def refuse_other_stages_values(module: nn.Module, body_path: str, what: str, cause: Optional[Exception] = None) -> None:
+    """Raise :class:`~lightning_pipe.errors.BodyCallError` saying ``what`` came from another stage's layers, when
+    this process holds only part of the body: the layers it presents for the others are meta copies
+    (``self.body[0].weight`` read in the step on the last stage: a penalty on it, a logged norm)."""
+    stand_in = module.get_submodule(body_path)
+    num_stages, stages = getattr(stand_in, "num_stages", 1), getattr(stand_in, "stages", ())
+    if num_stages == 1:
+        return
+    held = f"stage {stages[0]}" if len(stages) == 1 else f"stages {list(stages)}"
+    raise BodyCallError(
+        f"{what}: under PipeStrategy this process holds {held} of the {num_stages} stages of `self.{body_path}`, and the "
+        f"layers of the other stages are meta copies here (no values), so a value computed from one (e.g. a penalty "
+        f"on `self.{body_path}[0].weight`, or its norm logged, in the step on the last stage) cannot be computed. Use "
+        "a layer's weights only inside the body, where its stage runs them; a penalty on weights can be the "
+        "optimizer's weight_decay"
+    ) from cause
 
 
 def refuse_calls(module: nn.Module, path: str, where: str) -> object:

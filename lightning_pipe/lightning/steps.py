@@ -125,7 +125,7 @@ class StepRunner:
                     self.in_step = True
                     try:
                         output = getattr(self.module, self.hook)(batch, *self.hook_args)
-                    except RuntimeError as error:
+                    except (RuntimeError, NotImplementedError) as error:  # torch raises the second copying meta data
                         release.explain_meta_error(error, self.module, self.body_path, self.hook)
                         if mode == "replace" and self.stand_in.input_asks_grad:
                             _explain_unused_input(error, self.hook)
@@ -193,6 +193,8 @@ class StepRunner:
     def loss(self, i: int, output: Any) -> torch.Tensor:
         """What to backpropagate for microbatch ``i``'s training-step result, and note it."""
         loss = loss_of(output, self.hook)
+        if loss.is_meta:  # a term from another stage's layer (`self.body[0].weight`): meta plus a number is meta
+            release.refuse_other_stages_values(self.module, self.body_path, f"{self.hook}'s loss is on the meta device")
         self._refuse_other_reduction(loss)
         self.recorder.mark_loss(loss)
         return self._account().add(i, loss, output, self._counted(loss, output))
