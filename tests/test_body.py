@@ -661,3 +661,17 @@ def test_a_cache_each_block_writes_and_a_tensor_a_block_changes_in_place_pass_as
         x = torch.randn(3, 4)
         for _ in range(2):
             torch.testing.assert_close(_pipelined(first, last, loop, x), loop(blocks, x))
+
+
+def test_the_call_channel_keeps_a_bounded_number_of_structures_and_reads_older_ones_back_from_the_store():
+    """Review Q: an object whose contents change every step (`self.ctx.step = n` given to the blocks) made one
+    record per step, all kept for good on every process."""
+    import torch.distributed as dist
+
+    channel = CallChannel(dist.HashStore())
+    keys = [channel.publish(split_call((), {"ctx": Depth(n)})[0]) for n in range(CallChannel.KEPT + 10)]
+    assert len(channel._by_key) == CallChannel.KEPT and len(channel._records) == CallChannel.KEPT
+    reader = CallChannel(channel.store)  # another process: reads what it lacks from the store
+    for channel_ in (channel, reader):
+        _, constants, _ = channel_.lookup(keys[0])
+        assert constants[0].depth == 0 and channel_.lookup(keys[0])[1][0] is not constants[0]  # a copy per run

@@ -118,6 +118,8 @@ class CallChannel:
     (see the module docstring), unpickled from the record.
     """
 
+    KEPT = 1024  # structures kept here; older ones are read back from the store
+
     def __init__(self, store: Optional[dist.Store]) -> None:
         self.store = store
         self._by_key: Dict[int, Structure] = {}
@@ -140,20 +142,31 @@ class CallChannel:
         key = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
         if key not in self._by_key and self.store is not None:
             self.store.set(f"{key:x}", data)
-        self._by_key[key] = structure
-        if copied:
-            self._records[key] = data
+        self._remember(key, structure, data if copied else None)
         self._last = (structure, key)
         return key
+
+    def _remember(self, key: int, structure: Structure, record: Optional[bytes]) -> None:
+        """Keep ``structure`` (and its record) under ``key``, forgetting the oldest beyond ``KEPT``: an object whose
+        contents change every step (`self.ctx.step = n` given to the blocks) makes a structure per step; one
+        forgotten here is read from the store again if asked for."""
+        self._by_key.pop(key, None)
+        self._by_key[key] = structure
+        if record is not None:
+            self._records[key] = record
+        while len(self._by_key) > self.KEPT:
+            oldest = next(iter(self._by_key))
+            del self._by_key[oldest]
+            self._records.pop(oldest, None)
 
     def lookup(self, key: int) -> Structure:
         """The structure published under ``key``, with its own copy of every object that is not a plain value."""
         if key not in self._by_key:
             data = self.store.get(f"{key:x}")
             spec, constants, slots = pickle.loads(data)
-            self._by_key[key] = (treespec_loads(spec), constants, slots)
-            if _copied_per_run(constants):
-                self._records[key] = data
+            copied = _copied_per_run(constants)
+            self._remember(key, (treespec_loads(spec), constants, slots), data if copied else None)
+            if copied:
                 return self._by_key[key]  # just unpickled: a copy no run has had yet
         record = self._records.get(key)
         if record is None:
