@@ -24,27 +24,36 @@ from lightning_pipe.errors import ConfigurationError
 class _Counter:
     """Bytes of distinct tensors, each counted once by the bytes it spans (parameters excluded)."""
 
-    __slots__ = ("exclude", "spans", "total")
+    __slots__ = ("exclude", "spans", "total", "_of_storage")
 
     def __init__(self, exclude: set) -> None:
         self.exclude = exclude
-        self.spans: Dict[tuple, int] = {}  # (storage, offset, numel) -> bytes
+        self.spans: Dict[tuple, int] = {}  # (storage, first byte, end byte) -> bytes; disjoint per storage
         self.total = 0
+        self._of_storage: Dict[int, list] = {}  # storage -> its spans' keys
 
     def count(self, tensor) -> None:
-        # Count the bytes a tensor spans, not its whole storage: microbatches are views of one
-        # batch. Views of the same bytes (a transpose, a reshape) are counted once.
-        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+        # Count the bytes a tensor spans, not its whole storage: microbatches are views of one batch. Views of the
+        # same bytes (a transpose, a reshape) count once, an expanded tensor (stride 0) by the bytes it reads, and
+        # views that overlap (`h[:, 1:]` and `h[:, :-1]`) by their union.
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.numel() == 0:
             return
         ptr = tensor.untyped_storage().data_ptr()
         if ptr == 0 or ptr in self.exclude:
             return
-        key = (ptr, tensor.storage_offset(), tensor.numel())
-        if key in self.spans:
+        size = tensor.element_size()
+        start = tensor.storage_offset() * size
+        end = start + size * (1 + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride())))
+        if (ptr, start, end) in self.spans:
             return
-        nbytes = tensor.numel() * tensor.element_size()
-        self.spans[key] = nbytes
-        self.total += nbytes
+        keys = self._of_storage.setdefault(ptr, [])
+        for key in [k for k in keys if k[1] < end and start < k[2]]:  # overlapping: merged into one span
+            start, end = min(start, key[1]), max(end, key[2])
+            self.total -= self.spans.pop(key)
+            keys.remove(key)
+        keys.append((ptr, start, end))
+        self.spans[(ptr, start, end)] = end - start
+        self.total += end - start
 
     def pack(self, tensor):
         self.count(tensor)

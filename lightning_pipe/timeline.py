@@ -225,7 +225,8 @@ def save_schedule_png(tables: tuple, path: str, forward_cost: float = 1.0, backw
     """Draw a schedule's simulated plan (no measurement) as a PNG at ``path`` and return ``path``."""
     plan = [[a for a in row if a.is_compute] for row in tables]
     labels = _labels(plan)
-    planned = _plan_boxes(tables, {F: forward_cost, B: backward_cost}, labels)
+    # as `show` prints it: a split backward's I and W take one backward's time each
+    planned = _plan_boxes(tables, {F: forward_cost, B: backward_cost, I: backward_cost, W: backward_cost}, labels)
     width = max((s + d for row in planned for _, _, s, d in row), default=1.0)
     figure = _figure(1, len(plan))
     ax = figure.subplots(1, 1)

@@ -137,3 +137,32 @@ def test_balance_by_cost_minimises_the_largest_stage_then_evens_layer_counts():
         balance_by_cost([1, 1], 3)
     with pytest.raises(PartitionError, match="repeat must be a positive integer"):
         layer_times(nn.Sequential(nn.ReLU()), torch.ones(1), repeat=0)
+
+
+def test_measuring_the_bodys_input_leaves_the_state_of_the_code_before_it_as_it_was():
+    """Regression (review T): balance="time"/"memory"/"flops" ran the training step up to the body once on global
+    rank 0 in train mode, which moved a BatchNorm's running statistics before the body (running_mean 0.015 and
+    num_batches_tracked 1 from the balance=[2, 2] run's after 6 steps) and updated metrics there."""
+    from torchmetrics.aggregation import SumMetric
+
+    from lightning_pipe.lightning.profile import layer_costs
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.BatchNorm1d(4, momentum=None)
+            self.seen = SumMetric()
+            self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+        def training_step(self, batch, batch_idx):
+            h = self.norm(batch)
+            self.seen.update(h.abs().sum())
+            return self.body(h).sum()
+
+    model = Model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    costs = layer_costs("flops", model, "body", model.body, torch.randn(8, 4) * 3 + 1)
+    assert len(costs) == 3 and isinstance(model.body, nn.Sequential)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], msg=key)
+    assert model.seen._update_count == 0 and float(model.seen.sum_value) == 0.0

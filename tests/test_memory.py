@@ -124,6 +124,20 @@ def test_meter_counts_each_microbatch_view_of_one_batch_separately():
     assert meter.held_bytes == 2 * FLOAT32 * 12
 
 
+def test_meter_counts_expanded_and_overlapping_views_by_the_bytes_they_span():
+    """Regression (review T): an expanded tensor (16 bytes of storage) counted as 16,000 bytes, and two overlapping
+    slices of one saved 256 KiB output as 784,384 bytes."""
+    meter = ActivationMeter([])
+    x = torch.randn(1, 4)
+    h = torch.randn(256, 256)
+    with meter.record(0, inputs=(x.expand(1000, 4), h[:, 1:], h[:, :-1])):
+        pass
+    assert meter.held_bytes == FLOAT32 * (4 + 256 * 256)
+    with meter.record(1, inputs=(h.t(), h[:128], h[128:])):  # a transpose spans h's bytes; the halves make them up
+        pass
+    assert meter.held_bytes == FLOAT32 * (4 + 2 * 256 * 256)
+
+
 def _uncounted(rank, world):
     pipe = PIPELINES["1f1b"](partition(_model(world), rank, world, balance=[2] * world), chunks=2)
     hooked = []

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_pipe.schedule import ALL_SCHEDULES, format_table, gpipe, make_table, one_f_one_b, simulate
+from lightning_pipe.schedule.action import F, I, W
 from lightning_pipe.schedule.__main__ import compare, main, schedule_tables, show
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -48,15 +49,18 @@ def test_show_draws_zbv_with_its_two_stages_per_rank(capsys):
     assert "zbv, 2 stages, 4 microbatches" in printed
 
 
-def test_show_prints_the_simulated_bubble_and_peak_in_flight(capsys):
+def test_show_prints_the_simulated_bubble_and_peak_activations(capsys):
     assert main(["show", "gpipe", "--stages", "3", "--microbatches", "4"]) == 0
     assert capsys.readouterr().out.endswith(
         "gpipe, 3 stages, 4 microbatches, forward 1, backward 1:\n"
         "  makespan 12, bubble 33.3%\n"
-        "  peak in-flight microbatches per rank: 4 4 4\n"
+        "  peak activations per rank (microbatches through its share): 4 4 4\n"
     )
+    # review T: two stages per rank count half each, as compare counts them (it printed the pairs, 5 3 and 4 4)
+    assert "its share): 2.5 1.5" in show("interleaved_1f1b", 2, 4, virtual_stages=2)
+    assert "its share): 2 2" in show("zbv", 2, 4)
     text = show("1f1b", 4, 8, backward_cost=2)
-    assert "makespan 33, bubble 27.3%" in text and "per rank: 4 3 2 1" in text
+    assert "makespan 33, bubble 27.3%" in text and "its share): 4 3 2 1" in text
 
 
 def test_show_writes_the_plan_as_png(tmp_path, capsys):
@@ -67,6 +71,21 @@ def test_show_writes_the_plan_as_png(tmp_path, capsys):
     assert f"picture: {path}" in capsys.readouterr().out
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert imread(str(path)).shape[1] > 500
+
+
+@pytest.mark.parametrize("name", ["zb_h1", "zb_h2", "zbv"])
+def test_the_png_of_a_split_backward_draws_i_and_w_as_show_simulates_them(tmp_path, monkeypatch, name):
+    """Regression (review T): the picture of a zero-bubble schedule drew its F boxes only (I and W had no width)
+    and ended at 7.5 where `show` printed makespan 13."""
+    import lightning_pipe.timeline as timeline
+
+    drawn = {}
+    monkeypatch.setattr(timeline, "_draw", lambda ax, planned, measured, title, width: drawn.update(
+        planned=planned, width=width))
+    timeline.save_schedule_png(schedule_tables(name, 2, 4), str(tmp_path / "plan.png"))
+    result = simulate(schedule_tables(name, 2, 4), 1.0, 1.0, input_cost=1.0, weight_cost=1.0)
+    assert drawn["width"] == result.makespan
+    assert {kind for row in drawn["planned"] for _, kind, _, d in row if d == 1.0} == {F, I, W}
 
 
 def test_running_the_package_as_a_module_calls_show(monkeypatch, capsys):

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.lightning.body import set_submodule
 from lightning_pipe.lightning.layer_list import _hidden_of
-from lightning_pipe.lightning.logs import LogRecorder
+from lightning_pipe.lightning.logs import LogRecorder, metric_states
 from lightning_pipe.partition import layer_flops, layer_memory, layer_times, meta_like
 
 MEASURES: Dict[str, Callable[[nn.Sequential, Any], List[float]]] = {
@@ -71,9 +71,16 @@ class _Bound(nn.Module):
 
 
 def body_input(module: nn.Module, path: str, body: nn.Module, batch: Any) -> Tuple[tuple, dict]:
-    """The arguments the user's training step passes to the body (or to its first block) on ``batch``."""
+    """The arguments the user's training step passes to the body (or to its first block) on ``batch``.
+
+    The buffers and torchmetrics states the code before the body changes (a BatchNorm's running statistics, a
+    metric updated there) are put back afterwards: this run only measures, on one process, and training must not
+    see it. Other state it changes (a counter kept on ``self``) is not followed.
+    """
     recorder = LogRecorder(module, path)
     set_submodule(module, path, _Capture(len(body)))
+    buffers = [(b, b.clone()) for b in module.buffers()]  # the body's are out of the module now
+    metrics = metric_states(module, path)
     try:
         with torch.no_grad(), recorder.recording():
             module.training_step(batch, 0)
@@ -81,6 +88,14 @@ def body_input(module: nn.Module, path: str, body: nn.Module, batch: Any) -> Tup
         return reached.args_, reached.kwargs
     finally:
         set_submodule(module, path, body)
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        for metric_path, state in metrics.items():  # on their own devices, as they were
+            metric = module.get_submodule(metric_path)
+            for name, value in state.items():
+                setattr(metric, name, value)
+            metric._computed = None
     raise ConfigurationError("training_step returned without calling the body, so balance by measurement cannot "
                              "learn its input; give balance=[...] layer counts instead")
 

@@ -47,7 +47,7 @@ def show(name: str, num_stages: int, num_microbatches: int, virtual_stages: Opti
         <BLANKLINE>
         1f1b, 2 stages, 3 microbatches, forward 1, backward 1:
           makespan 8, bubble 25.0%
-          peak in-flight microbatches per rank: 2 1
+          peak activations per rank (microbatches through its share): 2 1
     """
     tables = schedule_tables(name, num_stages, num_microbatches, virtual_stages)
     # as format_table draws them: I and W take one backward's time each
@@ -58,7 +58,8 @@ def show(name: str, num_stages: int, num_microbatches: int, virtual_stages: Opti
         f"{name}, {num_stages} stages, {num_microbatches} microbatches, forward {forward_cost:g}, "
         f"backward {backward_cost:g}:",
         f"  makespan {result.makespan:g}, bubble {result.bubble_fraction:.1%}",
-        "  peak in-flight microbatches per rank: " + " ".join(map(str, result.peak_in_flight)),
+        # a rank holding v stages keeps 1/v of its share per (stage, microbatch): as compare and the summary count
+        "  peak activations per rank (microbatches through its share): " + " ".join(f"{m:g}" for m in result.peak_memory),
     ]
     if png:
         from lightning_pipe.timeline import save_schedule_png
@@ -106,7 +107,7 @@ def compare(num_stages: int, num_microbatches: int, virtual_stages: int = 2, for
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_pipe.schedule", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    cmd = commands.add_parser("show", help="print a schedule's table, bubble and peak in-flight microbatches")
+    cmd = commands.add_parser("show", help="print a schedule's table, bubble and peak activations")
     cmd.add_argument("schedule", help=f"one of {', '.join(sorted(ALL_SCHEDULES))}")
     cmd.add_argument("--stages", type=int, required=True, help="num_stages (P)")
     cmd.add_argument("--microbatches", type=int, required=True, help="num_microbatches (M)")
