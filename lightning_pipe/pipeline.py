@@ -175,6 +175,7 @@ class Pipeline(Tracing):
         self._setup_communication(timeout, device)
         self._rows: Dict[Tuple[str, int], tuple] = {}
         self._signature = None
+        self._trainable: Optional[tuple] = None  # which of this rank's parameters required grad in the last step
         self.step_seed: Optional[int] = None
         self._step = 0
         self.last_step: Optional[StepResult] = None
@@ -291,6 +292,10 @@ class Pipeline(Tracing):
         microbatches = label_parts = None
         header = None
         self.input_versions = []
+        # which parameters require grad decides which outputs do: a layer frozen or unfrozen since the last step
+        # (BackboneFinetuning) changes what its stage sends, which the header then announces (see exchange_header)
+        trainable = tuple(p.requires_grad for stage in self.stages for p in stage.module.parameters())
+        changed, self._trainable = self._trainable is not None and trainable != self._trainable, trainable
         if self.pp_rank == 0:
             sizes = microbatch_sizes(batch_size_of(inputs, self.batch_dim), self.chunks)
             if labels:
@@ -300,10 +305,11 @@ class Pipeline(Tracing):
             else:
                 microbatches = scatter(tuple(inputs), self.chunks, self.batch_dim, self.input_versions)
             signature = (torch.is_grad_enabled(), _input_signature(tuple(inputs), self.chunks, self.batch_dim))
-            fresh = signature != self._signature or self.variable_messages
+            fresh = signature != self._signature or self.variable_messages or changed
             self._signature = signature
-            header = [len(microbatches), int(fresh), rng.draw_step_seed()] + sizes + [0] * (self.chunks - len(sizes))
-        header = self.transport.exchange_header(header, 3 + self.chunks)
+            header = [len(microbatches), 0 if fresh else self.num_ranks, rng.draw_step_seed()] + sizes + \
+                [0] * (self.chunks - len(sizes))
+        header = self.transport.exchange_header(header, 3 + self.chunks, changed)
         num_microbatches = header[0]
         self.step_seed = header[2]
         for stage in self.stages:

@@ -137,26 +137,49 @@ class Transport:
         self.errors = errors
         self.batched = dist.get_backend(group) == "nccl"
         self.arrivals = None if self.batched else Arrivals(errors)
-        self.fresh = True  # whether this step's data messages carry their meta
+        self.fresh = True  # whether this rank's data messages carry their meta this step
+        self.fresh_from = 0  # the lowest pp rank whose data messages carry their meta this step (num_ranks: none)
+        self._in_rank_order = self.stage_ranks == tuple(range(num_ranks))  # data flows only to higher ranks
         self._recv_meta: Dict[tuple, List] = {}
         self._sent_meta: Dict[tuple, Tuple[int, ...]] = {}
         self._sends: list = []
 
     # -- step header ---------------------------------------------------------------------------
-    def exchange_header(self, header: Optional[List[int]], length: int) -> List[int]:
-        """Rank 0 passes its header; other ranks receive it. Every rank forwards it on."""
+    def exchange_header(self, header: Optional[List[int]], length: int, changed: bool = False) -> List[int]:
+        """Rank 0 passes its header; other ranks receive it. Every rank forwards it on.
+
+        ``header[1]`` is the lowest pp rank whose data messages carry their meta this step (``num_ranks``: none).
+        A rank whose stages send other meta than in the last step although stage 0's inputs kept theirs
+        (``changed``: parameters frozen or unfrozen since) lowers it to its own before forwarding: the messages of
+        every rank from it on carry their meta, and the ranks before it still know which do, since data flows only
+        to higher ranks where each rank holds one stage in order. Where a rank holds several stages, data also flows
+        back to lower ranks, which cannot know of a later rank's change: only rank 0's counts there.
+        """
         if self.pp_rank > 0:
             buffer = torch.empty(length, dtype=torch.int64, device=self.device)
             work = dist.irecv(buffer, self.ranks[self.pp_rank - 1], group=self.group, tag=HEADER)
             self.errors.wait(work, f"the step header from pp rank {self.pp_rank - 1}")
             header = buffer.tolist()
+            if changed and header[1] > self.pp_rank:
+                if not self._in_rank_order:
+                    raise PipelineStepError(
+                        f"the stages on pp rank {self.pp_rank} changed which of their parameters require grad since the "
+                        "last step (layers frozen or unfrozen), and so which of their outputs do, while pp rank 0's "
+                        "did not; where a rank holds several stages (interleaved_1f1b, zbv) only a change on pp rank 0 "
+                        "can announce new messages to every rank. Change stage 0's layers in the same step (e.g. "
+                        "unfreeze the whole body at once), or use a schedule with one stage per rank ('1f1b', 'zb_h1')"
+                    )
+                header[1] = self.pp_rank
         if self.pp_rank < self.num_ranks - 1:
             tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
             self._sends.append((dist.isend(tensor, self.ranks[self.pp_rank + 1], group=self.group, tag=HEADER), tensor))
-        self.fresh = bool(header[1])
+        self.fresh_from = header[1]
+        self.fresh = self.fresh_from <= self.pp_rank
         if self.fresh:
-            self._recv_meta.clear()
             self._sent_meta.clear()
+        if self.fresh_from < self.num_ranks:  # what fresh senders send anew
+            self._recv_meta = {key: meta for key, meta in self._recv_meta.items()
+                               if self.stage_ranks[key[2]] < self.fresh_from}
         return header
 
     # -- data (activations and skip tensors) -----------------------------------------------------
@@ -175,8 +198,9 @@ class Transport:
         elif self._sent_meta.get(key) != meta:
             raise PipelineStepError(
                 f"stage {stage} sends microbatch {microbatch_index} to stage {peer} with meta {meta}, "
-                f"not {self._sent_meta.get(key)} as in the previous step, although stage 0's inputs kept theirs; "
-                "what a stage sends must depend only on the shapes of the pipeline's inputs"
+                f"not {self._sent_meta.get(key)} as in the previous step, although stage 0's inputs kept theirs and "
+                "no stage changed which parameters require grad; what a stage sends (shapes, dtypes, requires_grad) "
+                "must depend only on the shapes of the pipeline's inputs, or pass variable_messages=True"
             )
         self._sent_meta[key] = meta
         ops.extend(_Op(True, t.detach().contiguous(), rank, tag) for t in tensors)
@@ -191,7 +215,7 @@ class Transport:
             meta = [(dtype, False, shape) for dtype, requires_grad, shape in meta if requires_grad]
         else:
             key = (tag, stage, peer, microbatch_index)
-            if self.fresh and key not in self._recv_meta:
+            if self.fresh_from <= rank and key not in self._recv_meta:
                 meta_tensor = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
                 work = self._process_group.recv([meta_tensor], rank, tag)
                 self.errors.wait(work, f"the meta of microbatch {microbatch_index} from stage {peer}")
@@ -207,7 +231,7 @@ class Transport:
             return False
         if tag in _DATA_OF_GRADIENT:
             return (_DATA_OF_GRADIENT[tag], stage, peer, microbatch_index) in self._sent_meta
-        return not self.fresh and (tag, stage, peer, microbatch_index) in self._recv_meta
+        return self.fresh_from > self.stage_ranks[peer] and (tag, stage, peer, microbatch_index) in self._recv_meta
 
     # -- issuing and waiting -------------------------------------------------------------------
     def issue(self, ops: list, pending: Sequence[PendingRecv] = ()) -> None:

@@ -30,6 +30,7 @@ LM_LAUNCHES = {
     "reference": [  # Lightning's DDP on one device
         _spec("llama", "llama", "ddp", 1), _spec("gpt2", "gpt2", "ddp", 1), _spec("albert", "albert", "ddp", 1, clip=0.5),
         _spec("tied_seq", "tied_seq", "ddp", 1, clip=0.5), _spec("sum", "sum", "ddp", 1),
+        _spec("finetuned", "finetuned", "ddp", 1, epochs=2),
         _spec("denoise", "denoise", "ddp", 1, epochs=NOISE_EPOCHS), _spec("frozen", "frozen", "ddp", 1),
         _spec("paramfree", "paramfree", "ddp", 1), _spec("fp16", "fp16", "ddp", 1, fp16_scale=256.0),
         _spec("llama_2ep", "llama", "ddp", 1, epochs=2), _spec("cached", "cached", "ddp", 1),
@@ -41,7 +42,7 @@ LM_LAUNCHES = {
     "world2": [
         _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe", trace=[2, 2]), _spec("gpt2_p2", "gpt2", "pipe", 2, schedule="zb_h1"),
         _spec("gpt2_zbh2", "gpt2", "pipe", 2, schedule="zb_h2"),
-        _spec("sum_p2", "sum", "pipe", 2, schedule="gpipe"),
+        _spec("sum_p2", "sum", "pipe", 2, schedule="gpipe"), _spec("finetuned_p2", "finetuned", "pipe", 2, epochs=2),
         _spec("denoise_p2", "denoise", "pipe", 2, schedule="gpipe", epochs=NOISE_EPOCHS),
         _spec("diffusion_p2", "diffusion", "pipe", 2), _spec("mixup_p2", "mixup", "pipe", 2, schedule="gpipe"),
         _spec("cached_p2", "cached", "pipe", 2), _spec("cached_p2_ckpt", "cached", "pipe", 2, checkpoint="always"),

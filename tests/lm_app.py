@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
@@ -360,6 +360,34 @@ class WarmupInStep(SumRegression):
         for group in self.optimizers().param_groups:
             group["lr"] = 0.002 * min(1.0, (self.global_step + 1) / 10)
         return loss
+
+
+class FinetunedBody(pl.LightningModule):
+    """BackboneFinetuning's pattern: the body frozen in epoch 0 (its input needs no gradient, so its stages send
+    outputs that need none), unfrozen in epoch 1 with a param group of its own (:class:`UnfreezeBody`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(4, 4), nn.Tanh())])
+        self.head = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.head(self.body(x)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+class UnfreezeBody(BaseFinetuning):
+    def freeze_before_training(self, pl_module) -> None:
+        self.freeze(pl_module.body)
+
+    def finetune_function(self, pl_module, epoch, optimizer) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.body, optimizer, lr=0.05)
 
 
 class OtherStagesWeight(SumRegression):
@@ -780,7 +808,7 @@ CASES = {
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "tied_once": (TiedSavedOnce, "tokens"), "penalty": (GradientPenalty, "regression"),
     "warmup_in_step": (WarmupInStep, "regression"), "other_stages_weight": (OtherStagesWeight, "regression"),
-    "mode_in_step": (ModeInStep, "regression"), "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
+    "mode_in_step": (ModeInStep, "regression"), "finetuned": (FinetunedBody, "regression"), "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
     "failing_log": (lambda: FailingAfterBody("training"), "regression"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
@@ -883,6 +911,8 @@ def run(spec: dict, root: str) -> dict:
         callbacks.append(Materialized(os.path.join(root, f"materialized_{name}_{{rank}}.json")))
     if "accumulate" in spec:  # {epoch: batches per optimizer step}, e.g. {"1": 2}: 1 in epoch 0, then 2
         callbacks.append(GradientAccumulationScheduler({int(k): v for k, v in spec["accumulate"].items()}))
+    if spec["case"] == "finetuned":
+        callbacks.append(UnfreezeBody())
     if "trace" in spec:  # [first batch, number of batches]; the files go into the logger's folder
         callbacks.append(lightning_pipe.PipelineTrace(*spec["trace"]))
     plugins, precision = [], spec.get("precision", "64-true")

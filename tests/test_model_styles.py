@@ -201,6 +201,13 @@ def test_tied_checkpoints_hold_one_copy_and_load_into_the_plain_module(lm_runs, 
         torch.testing.assert_close(value, result["state_dict"][key], msg=lambda m: f"{key}: {m}")
 
 
+def test_a_body_frozen_then_unfrozen_by_backbone_finetuning_trains_as_under_ddp(lm_runs):
+    """Regression (review S): with the body frozen in epoch 0 and its input needing no gradient, stage 0's output
+    needed none; unfrozen in epoch 1 (BaseFinetuning's `unfreeze_and_add_param_group`), the first step of the
+    epoch failed with "what a stage sends must depend only on the shapes of the pipeline's inputs"."""
+    assert_same_training(lm_runs("world2")[0]["finetuned_p2"], lm_runs("reference")[0]["finetuned"])
+
+
 def test_a_loop_the_pipeline_cannot_reproduce_fails_on_every_rank_within_seconds(tmp_path_factory):
     """A residual around each block call (`x = x + block(x)`): the first stage refuses it at the second call."""
     code, seconds, survivors, output = launch_lm_app(

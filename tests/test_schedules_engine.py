@@ -298,3 +298,66 @@ def test_when_idle_runs_where_the_rank_first_waits_for_a_message_or_at_the_steps
     assert last["compute"][0][0] == "1F0" and last["at"] <= last["compute"][0][1]  # before its first forward
     (ran, end_of_last_action), = distributed.run(_idle_alone, 1, timeout=60)
     assert len(ran) == 1 and ran[0] >= end_of_last_action  # no message to wait for: after the step's actions
+
+
+# per step, the Linear layers (of 8) that are frozen: all but the last two, then two more unfrozen (on later ranks
+# only), then every layer trains, then the first six are frozen again
+FREEZING = ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3], [], [], [0, 1, 2, 3, 4, 5])
+
+
+def _frozen_between_steps(rank: int, world: int, schedule: str, plan) -> int:
+    """Layers frozen or unfrozen between steps, on one process and in the pipeline: gradients and weights."""
+    full = mlp(num_layers=8)
+    reference = copy.deepcopy(full)
+    v = ALL_SCHEDULES[schedule].virtual_stages(None)
+    parts = partition(full, rank, world, balance_by_layers(len(full), world * v), num_model_chunks=v,
+                      placement=ALL_SCHEDULES[schedule].placement)
+    pipe = Pipeline(parts, chunks=3, schedule=schedule)
+    gen = torch.Generator().manual_seed(3)
+    for step, frozen in enumerate(plan):
+        for model in (reference, *parts):
+            for name, p in model.named_parameters():
+                p.requires_grad_(int(name.split(".")[0]) // 2 not in frozen)
+                p.grad = None
+        x, y = _batch("mlp", 9, gen)
+        _reference_step(reference, nn.functional.mse_loss, x, y, 3)
+        pipe.forward_backward(x, criterion=nn.functional.mse_loss, labels=(y,))
+        ref_params = dict(reference.named_parameters())
+        for part in parts:
+            for name, p in part.named_parameters():
+                assert (p.grad is None) == (ref_params[name].grad is None), f"{schedule} {name}, step {step}"
+                if p.grad is not None:
+                    torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{name}, step {step}: {m}")
+        with torch.no_grad():  # SGD on every copy: the reference's whole model, this rank's part
+            for p in [*reference.parameters(), *(p for part in parts for p in part.parameters())]:
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+    return step
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zbv"])
+def test_layers_frozen_and_unfrozen_between_steps_train_as_in_one_process(schedule):
+    """Regression (review S; BackboneFinetuning under PipeStrategy): a body frozen whole, its input needing no
+    gradient, and unfrozen later made stage 0 send outputs that require grad where the last step's did not, and
+    the step failed ("what a stage sends must depend only on the shapes of the pipeline's inputs"). Each rank now
+    tells the step header that its stages changed; a change on later ranks only (the top half unfrozen first) is
+    announced from there on, where every rank holds one stage."""
+    plan = FREEZING if schedule != "zbv" else FREEZING[:1] + FREEZING[2:]  # zbv: rank 0 holds stage 0, always changes
+    assert distributed.run(_frozen_between_steps, 3 if schedule != "zbv" else 2, schedule, plan) == [len(plan) - 1] * (
+        3 if schedule != "zbv" else 2)
+
+
+def _unfrozen_on_a_later_rank(rank: int, world: int) -> str:
+    try:
+        _frozen_between_steps(rank, world, "zbv", FREEZING)
+    except Exception as error:  # noqa: BLE001 (the named error, or the abort it causes on the other rank)
+        return f"{type(error).__name__}: {error}"
+    return "trained"
+
+
+def test_a_later_rank_alone_changing_what_it_sends_under_zbv_is_named():
+    """Where a rank holds several stages, data flows back to lower ranks, which cannot learn of a later rank's
+    change from the header: named on that rank, before any message of the step."""
+    first, second = distributed.run(_unfrozen_on_a_later_rank, 2)
+    assert "PipelineStepError: the stages on pp rank 1 changed which of their parameters require grad" in second, second
+    assert "PipelineAbortedError" in first, first
