@@ -28,6 +28,7 @@ from torch.autograd import _profiler_enabled  # the C++ profiler's state: ~0.2 Â
 from torch.autograd.profiler import record_function
 
 from lightning_pipe.errors import PipelineAbortedError, PipelineStepError
+from lightning_pipe.faults import note_failed_group
 from lightning_pipe.schedule.action import (
     RECV_B, RECV_F, RECV_KINDS, RECV_SKIP, RECV_SKIP_GRAD, SEND_B, SEND_F, SEND_KINDS, SEND_SKIP, SEND_SKIP_GRAD,
     Action, B, F, I, W,
@@ -150,9 +151,11 @@ class Executor:
             self.transport.finish()
         except PipelineAbortedError:
             self._clear()
+            note_failed_group(self.transport._process_group)
             raise
         except Exception as exc:
             self._clear()
+            note_failed_group(self.transport._process_group)
             message = f"[pp_rank {self.pp_rank} | step {step} | {self._current}] {type(exc).__name__}: {exc}"
             self.transport.errors.report(message)
             raise PipelineStepError(message) from exc

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_pipe.errors import PipelineAbortedError
+from lightning_pipe.errors import ConfigurationError, PipelineAbortedError
 
 _POLL_STORE_EVERY = 0.05  # seconds between looks at the store while a message is late
 _GRACE = 3.0  # seconds to wait for a failed peer's message after its connection broke
@@ -270,6 +270,26 @@ def end_process_groups_at_exit(destroy: bool) -> None:
     if not _exit["registered"]:
         _exit["registered"] = True
         atexit.register(lambda: end_process_groups(destroy=_exit["destroy"]))
+
+
+_FAILED_GROUPS: set = set()  # ids of the process groups a pipeline step failed on in this process
+
+
+def note_failed_group(group: Any) -> None:
+    """A pipeline step on ``group`` failed here: its messages may still be posted or in flight."""
+    _FAILED_GROUPS.add(id(group))
+
+
+def refuse_failed_group(group: Any) -> None:
+    """Refuse a new pipeline on a group a step failed on: a receive the failed step posted, or a message it sent,
+    would pair with the new pipeline's (gloo matches by peer and tag), which then waits for good. Raised on every
+    rank that saw the failure (all of the pipeline's), before any message."""
+    if id(group) in _FAILED_GROUPS:
+        raise ConfigurationError(
+            "a pipeline step on this process group failed in this process, and its messages may still be posted or "
+            "in flight there: a new pipeline on it would take them for its own and wait for good. Build it on a new "
+            "group (`torch.distributed.new_group(ranks)`), or restart the processes"
+        )
 
 
 def note_failure() -> None:

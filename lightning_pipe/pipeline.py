@@ -21,9 +21,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_pipe import rng
 from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.errors import ConfigurationError, PipelineAbortedError, PipelineStepError
 from lightning_pipe.executor import Executor, StepResult
-from lightning_pipe.faults import ErrorChannel, end_process_groups_at_exit
+from lightning_pipe.faults import ErrorChannel, end_process_groups_at_exit, note_failed_group, refuse_failed_group
 from lightning_pipe.memory import ActivationMeter, MeterOff
 from lightning_pipe.microbatch import (NoChunk, batch_size_of, gather, microbatch_sizes, open_containers, plain_tensors,
                                       scatter)
@@ -168,6 +168,7 @@ class Pipeline(Tracing):
         self.spec = ALL_SCHEDULES[schedule]
         self.broadcast_outputs = broadcast_outputs
         self.group = process_group if process_group is not None else dist.group.WORLD
+        refuse_failed_group(self.group)
         self._place()
         self.skip_layout = self._skip_layout(modules)
         device = device if device is not None else _device_of(modules, self.group)
@@ -309,7 +310,11 @@ class Pipeline(Tracing):
             self._signature = signature
             header = [len(microbatches), 0 if fresh else self.num_ranks, rng.draw_step_seed()] + sizes + \
                 [0] * (self.chunks - len(sizes))
-        header = self.transport.exchange_header(header, 3 + self.chunks, changed)
+        try:
+            header = self.transport.exchange_header(header, 3 + self.chunks, changed)
+        except (PipelineStepError, PipelineAbortedError):
+            note_failed_group(self.group)
+            raise
         num_microbatches = header[0]
         self.step_seed = header[2]
         for stage in self.stages:

@@ -10,8 +10,9 @@ part that frees them.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+import warnings
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -74,8 +75,12 @@ class Stage:
         self.microbatch_index = 0  # of the forward running or last run
         self.meter = ActivationMeter(module.parameters(), meter_parent) if count_activations else MeterOff()
         self._skippable = any(isinstance(m, Skippable) for m in module.modules())
+        # a stage whose first layer writes into its input (nn.ReLU(inplace=True) after a cut between a convolution
+        # and its activation) gets copies of what it received: those are leaves, kept for their gradients
+        self._copies_inputs = stage_index > 0 and _starts_in_place(module)
         self._pending: Dict[int, _Pending] = {}
         self._weights: Dict[int, Tuple[WeightGradients, _Pending]] = {}  # after I, until W
+        self._warned_unused: set = set()  # received inputs found without a gradient, warned about
 
     @property
     def is_first(self) -> bool:
@@ -99,6 +104,10 @@ class Stage:
         with use_tracker(tracker):
             return self._call(*inputs)
 
+    def _run_on_copies(self, tracker: SkipTracker, *inputs):
+        # copied inside what a checkpoint recomputes, so that the recomputation writes into copies too
+        return self._run(tracker, *(x.clone() if needs_grad(x) and x.is_leaf else x for x in inputs))
+
     def forward(
         self,
         microbatch_index: int,
@@ -121,17 +130,18 @@ class Stage:
         use_checkpoint = keep_graph and should_checkpoint(self.checkpoint, i, num_microbatches)
         kept = [x for x in inputs if isinstance(x, torch.Tensor)] + list(skips.values())
         recomputation = None
-        with self.meter.record(i, kept) if keep_graph else nullcontext():
+        run = self._run_on_copies if self._copies_inputs else self._run
+        with self.meter.record(i, kept) if keep_graph else nullcontext(), _in_place_named(self.stage_index):
             if use_checkpoint and self.split_backward:
                 recomputation = Recomputation(
-                    lambda *args: self._run(tracker, *args), restore_rng,
+                    lambda *args: run(tracker, *args), restore_rng,
                     lambda tensors: self.meter.add(i, tensors),
                 )
                 outputs = recomputation.run(*inputs)
             elif use_checkpoint:
-                outputs = checkpointed(self._run, tracker, *inputs)
+                outputs = checkpointed(run, tracker, *inputs)
             else:
-                outputs = self._run(tracker, *inputs)
+                outputs = run(tracker, *inputs)
             outputs = as_tuple(outputs)
             loss = loss_fn(i, outputs) if loss_fn is not None else None
         roots = (loss,) if loss_fn is not None else outputs
@@ -187,7 +197,10 @@ class Stage:
         if tensors:
             _backward(tensors, grad_tensors)
         self.meter.release(microbatch_index)
-        input_grads = tuple(_grad_of(x) for x in pending.inputs if needs_grad(x) and x.is_leaf)
+        received = [x for x in pending.inputs if needs_grad(x) and x.is_leaf]
+        if any(x.grad is None for x in received):
+            self._warn_unused([k for k, x in enumerate(received) if x.grad is None])
+        input_grads = tuple(_grad_of(x) for x in received)
         incoming = {}
         for key in pending.incoming:
             tensor = pending.tracker.tensors[key]
@@ -212,8 +225,25 @@ class Stage:
         targets = inputs + [received[k] for k in keys]
         computed, weights = backward_input(tensors, grad_tensors, targets)
         self._weights[microbatch_index] = (weights, pending)
+        if any(g is None for g in computed[: len(inputs)]):
+            self._warn_unused([k for k, g in enumerate(computed[: len(inputs)]) if g is None])
         computed = [g if g is not None else torch.zeros_like(x) for x, g in zip(targets, computed)]
         return tuple(computed[: len(inputs)]), dict(zip(keys, computed[len(inputs):]))
+
+    def _warn_unused(self, slots: List[int]) -> None:
+        """The stage computed no gradient for received inputs ``slots`` (nothing reaching its loss or outputs uses
+        them): the stage before gets zeros for them, as messages have fixed shapes, so a parameter that only feeds
+        such an output gets a zero gradient where one process leaves it without one. Warned once per input."""
+        new = [k for k in slots if k not in self._warned_unused]
+        if not new:
+            return
+        self._warned_unused.update(new)
+        warnings.warn(
+            f"lightning_pipe: stage {self.stage_index} computed no gradient for its input(s) {new} (of those that "
+            "require grad): nothing it computes from them reaches the loss. The stage before it gets zeros for them, "
+            "so a parameter that only feeds such an output gets a zero gradient where one process leaves it "
+            "without one, and an optimizer with weight decay or momentum moves it. Send on only what later stages use"
+        )
 
     def backward_weight(self, microbatch_index: int) -> None:
         """The second part of a split backward (``W``): accumulate the weight gradients; free the microbatch."""
@@ -231,6 +261,31 @@ class Stage:
             self.meter.release(index)
         self._pending.clear()
         self._weights.clear()
+
+
+def _starts_in_place(module: nn.Module) -> bool:
+    """Whether the first layer ``module`` runs (its first child, recursively) writes into its input."""
+    while True:
+        first = next(iter(module.children()), None)
+        if first is None:
+            return getattr(module, "inplace", False) is True
+        module = first
+
+
+@contextmanager
+def _in_place_named(stage_index: int) -> Iterator[None]:
+    """Name the stage boundary in autograd's error about an in-place write into a leaf (a stage's first layer
+    other than an ``inplace=True`` module writing into what the stage received)."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
+            raise
+        raise PipelineStepError(
+            f"stage {stage_index} writes into its input in place ({error}): what a stage receives is a leaf that "
+            "collects its gradient for the stage before it, so its first operation cannot be in place. Write out of "
+            "place there (`x = x.relu()`, not `x.relu_()`), or move the cut between stages (balance=[...])"
+        ) from error
 
 
 def _backward(tensors: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> None:
