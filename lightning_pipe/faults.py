@@ -272,24 +272,35 @@ def end_process_groups_at_exit(destroy: bool) -> None:
         atexit.register(lambda: end_process_groups(destroy=_exit["destroy"]))
 
 
-_FAILED_GROUPS: set = set()  # ids of the process groups a pipeline step failed on in this process
+_FAILED_GROUP = "lightning_pipe/failed_group/"  # + a process group's name: a pipeline step failed on it
+
+
+def _failed_key(group: Any) -> str:
+    return _FAILED_GROUP + getattr(group, "group_name", "")
 
 
 def note_failed_group(group: Any) -> None:
-    """A pipeline step on ``group`` failed here: its messages may still be posted or in flight."""
-    _FAILED_GROUPS.add(id(group))
+    """A pipeline step on ``group`` failed here: its messages may still be posted or in flight. Written to the job's
+    store by every rank that saw the failure (the one that failed, those that stopped because of it), before its
+    error reaches the caller."""
+    _store().set(_failed_key(group), "1")
 
 
 def refuse_failed_group(group: Any) -> None:
     """Refuse a new pipeline on a group a step failed on: a receive the failed step posted, or a message it sent,
-    would pair with the new pipeline's (gloo matches by peer and tag), which then waits for good. Raised on every
-    rank that saw the failure (all of the pipeline's), before any message."""
-    if id(group) in _FAILED_GROUPS:
+    would pair with the new pipeline's (gloo matches by peer and tag), which then waits for good. Every rank reads
+    the same store, so all of them refuse, before any message."""
+    if _store().check([_failed_key(group)]):
         raise ConfigurationError(
             "a pipeline step on this process group failed in this process, and its messages may still be posted or "
             "in flight there: a new pipeline on it would take them for its own and wait for good. Build it on a new "
             "group (`torch.distributed.new_group(ranks)`), or restart the processes"
         )
+
+
+def _store() -> Any:
+    # Private API: the default store is the one every rank already shares (see pipeline.py).
+    return dist.distributed_c10d._get_default_store()
 
 
 def note_failure() -> None:

@@ -16,9 +16,11 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_pipe import rng
-from lightning_pipe.checkpoint import Recomputation, checkpointed, should_checkpoint
+from lightning_pipe.batchnorm import DeferredBatchNorm
+from lightning_pipe.checkpoint import Recomputation, checkpointed, is_recomputing, should_checkpoint
 from lightning_pipe.errors import PipelineStepError
 from lightning_pipe.memory import ActivationMeter, MeterOff
 from lightning_pipe.skip.skippable import Skippable
@@ -78,9 +80,14 @@ class Stage:
         # a stage whose first layer writes into its input (nn.ReLU(inplace=True) after a cut between a convolution
         # and its activation) gets copies of what it received: those are leaves, kept for their gradients
         self._copies_inputs = stage_index > 0 and _starts_in_place(module)
+        if checkpoint != "never":
+            _keep_batch_norm_statistics_when_recomputing(module)
         self._pending: Dict[int, _Pending] = {}
         self._weights: Dict[int, Tuple[WeightGradients, _Pending]] = {}  # after I, until W
-        self._warned_unused: set = set()  # received inputs found without a gradient, warned about
+        # received inputs found without a gradient, warned about; none for a stage that passes on what it receives
+        # whether its own layers use it or not (a layer list's extra arguments, for the blocks of later stages)
+        self._warned_unused: set = set()
+        self._warns_unused = not getattr(module, "passes_inputs_on", False)
 
     @property
     def is_first(self) -> bool:
@@ -235,7 +242,7 @@ class Stage:
         them): the stage before gets zeros for them, as messages have fixed shapes, so a parameter that only feeds
         such an output gets a zero gradient where one process leaves it without one. Warned once per input."""
         new = [k for k in slots if k not in self._warned_unused]
-        if not new:
+        if not new or not self._warns_unused:
             return
         self._warned_unused.update(new)
         warnings.warn(
@@ -261,6 +268,38 @@ class Stage:
             self.meter.release(index)
         self._pending.clear()
         self._weights.clear()
+
+
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _keep_batch_norm_statistics_when_recomputing(module: nn.Module) -> None:
+    """A checkpointed forward runs again in backward: a BatchNorm in training mode would update its running
+    statistics twice per microbatch (``num_batches_tracked`` twice one process's). Hooks put them back after the
+    recomputation, which then normalizes as the first forward did (with the batch's statistics). A
+    :class:`~lightning_pipe.batchnorm.DeferredBatchNorm` skips its own update then; torch has no switch for it."""
+    for bn in module.modules():
+        if not isinstance(bn, _BatchNorm) or isinstance(bn, DeferredBatchNorm) or getattr(bn, "_pipe_kept", False):
+            continue
+        bn._pipe_kept = True  # once per module, however many stages hold it
+        bn.register_forward_pre_hook(_save_statistics)  # module-level functions: a module with them still pickles
+        # always_call: torch's checkpoint stops a recomputation by raising once it has what backward needs, maybe
+        # inside this module's forward after the statistics moved
+        bn.register_forward_hook(_restore_statistics, always_call=True)
+
+
+def _save_statistics(bn: nn.Module, args: tuple) -> None:
+    if is_recomputing() and bn.training:
+        bn._pipe_saved = [None if getattr(bn, name) is None else getattr(bn, name).clone() for name in _STATISTICS]
+
+
+def _restore_statistics(bn: nn.Module, args: tuple, output: object) -> None:
+    saved = bn.__dict__.pop("_pipe_saved", None)
+    if saved is not None:
+        with torch.no_grad():
+            for name, value in zip(_STATISTICS, saved):
+                if value is not None:
+                    getattr(bn, name).copy_(value)
 
 
 def _starts_in_place(module: nn.Module) -> bool:

@@ -140,6 +140,7 @@ class Transport:
         self.fresh = True  # whether this rank's data messages carry their meta this step
         self.fresh_from = 0  # the lowest pp rank whose data messages carry their meta this step (num_ranks: none)
         self._in_rank_order = self.stage_ranks == tuple(range(num_ranks))  # data flows only to higher ranks
+        self._unannounced = False  # this rank's parameters changed requires_grad, and the header could not say so
         self._recv_meta: Dict[tuple, List] = {}
         self._sent_meta: Dict[tuple, Tuple[int, ...]] = {}
         self._sends: list = []
@@ -153,28 +154,22 @@ class Transport:
         (``changed``: parameters frozen or unfrozen since) lowers it to its own before forwarding: the messages of
         every rank from it on carry their meta, and the ranks before it still know which do, since data flows only
         to higher ranks where each rank holds one stage in order. Where a rank holds several stages, data also flows
-        back to lower ranks, which cannot know of a later rank's change: only rank 0's counts there.
+        back to lower ranks, which cannot know of a later rank's change: only rank 0's counts there, and a later
+        rank's change that does alter what it sends is named when it sends (see :meth:`send`).
         """
         if self.pp_rank > 0:
             buffer = torch.empty(length, dtype=torch.int64, device=self.device)
             work = dist.irecv(buffer, self.ranks[self.pp_rank - 1], group=self.group, tag=HEADER)
             self.errors.wait(work, f"the step header from pp rank {self.pp_rank - 1}")
             header = buffer.tolist()
-            if changed and header[1] > self.pp_rank:
-                if not self._in_rank_order:
-                    raise PipelineStepError(
-                        f"the stages on pp rank {self.pp_rank} changed which of their parameters require grad since the "
-                        "last step (layers frozen or unfrozen), and so which of their outputs do, while pp rank 0's "
-                        "did not; where a rank holds several stages (interleaved_1f1b, zbv) only a change on pp rank 0 "
-                        "can announce new messages to every rank. Change stage 0's layers in the same step (e.g. "
-                        "unfreeze the whole body at once), or use a schedule with one stage per rank ('1f1b', 'zb_h1')"
-                    )
+            if changed and header[1] > self.pp_rank and self._in_rank_order:
                 header[1] = self.pp_rank
         if self.pp_rank < self.num_ranks - 1:
             tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
             self._sends.append((dist.isend(tensor, self.ranks[self.pp_rank + 1], group=self.group, tag=HEADER), tensor))
         self.fresh_from = header[1]
         self.fresh = self.fresh_from <= self.pp_rank
+        self._unannounced = changed and not self.fresh  # several stages per rank: see send's error
         if self.fresh:
             self._sent_meta.clear()
         if self.fresh_from < self.num_ranks:  # what fresh senders send anew
@@ -196,6 +191,16 @@ class Transport:
             meta_tensor[: len(meta)] = torch.tensor(meta, dtype=torch.int64)
             ops.append(_Op(True, meta_tensor, rank, tag))
         elif self._sent_meta.get(key) != meta:
+            if self._unannounced:
+                raise PipelineStepError(
+                    f"stage {stage} sends microbatch {microbatch_index} to stage {peer} with meta {meta}, not "
+                    f"{self._sent_meta.get(key)} as in the previous step: the stages on pp rank {self.pp_rank} changed "
+                    "which of their parameters require grad since then (layers frozen or unfrozen), and so which of "
+                    "their outputs do. Where a rank holds several stages (interleaved_1f1b, zbv), data also flows to "
+                    "lower ranks, and only a change on pp rank 0 (or a step after an evaluation loop) announces new "
+                    "messages to every rank: change stage 0's layers in the same step (e.g. unfreeze the whole body at "
+                    "once), or use a schedule with one stage per rank ('1f1b', 'zb_h1')"
+                )
             raise PipelineStepError(
                 f"stage {stage} sends microbatch {microbatch_index} to stage {peer} with meta {meta}, "
                 f"not {self._sent_meta.get(key)} as in the previous step, although stage 0's inputs kept theirs and "

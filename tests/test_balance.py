@@ -143,7 +143,7 @@ def test_measuring_the_bodys_input_leaves_the_state_of_the_code_before_it_as_it_
     """Regression (review T): balance="time"/"memory"/"flops" ran the training step up to the body once on global
     rank 0 in train mode, which moved a BatchNorm's running statistics before the body (running_mean 0.015 and
     num_batches_tracked 1 from the balance=[2, 2] run's after 6 steps) and updated metrics there."""
-    from torchmetrics.aggregation import SumMetric
+    from torchmetrics.aggregation import CatMetric, SumMetric
 
     from lightning_pipe.lightning.profile import layer_costs
 
@@ -151,12 +151,13 @@ def test_measuring_the_bodys_input_leaves_the_state_of_the_code_before_it_as_it_
         def __init__(self) -> None:
             super().__init__()
             self.norm = nn.BatchNorm1d(4, momentum=None)
-            self.seen = SumMetric()
+            self.seen, self.values = SumMetric(), CatMetric()  # CatMetric's state is a list, grown in place
             self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
 
         def training_step(self, batch, batch_idx):
             h = self.norm(batch)
             self.seen.update(h.abs().sum())
+            self.values.update(h[:, 0])
             return self.body(h).sum()
 
     model = Model()
@@ -166,3 +167,4 @@ def test_measuring_the_bodys_input_leaves_the_state_of_the_code_before_it_as_it_
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key], msg=key)
     assert model.seen._update_count == 0 and float(model.seen.sum_value) == 0.0
+    assert model.values.value == []  # review U: the list was put back as the same, grown list

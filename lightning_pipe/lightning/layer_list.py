@@ -129,8 +129,9 @@ class CallChannel:
     def publish(self, structure: Structure) -> int:
         spec, constants, slots = structure
         copied = _copied_per_run(constants)
-        # the shortcut compares objects by identity: one the loop changes between calls must be pickled again
-        if not copied and self._last is not None and _same_structure(self._last[0], structure):
+        # the shortcut compares objects by identity: one the loop may change between calls is pickled again (caches
+        # pass: the loop gives every block the same one, which only the blocks' own copies change)
+        if not _watched(constants) and self._last is not None and _same_structure(self._last[0], structure):
             return self._last[1]
         try:  # the tree spec in torch's own serialized form (pickling a TreeSpec is deprecated)
             data = pickle.dumps((treespec_dumps(spec), constants, slots))
@@ -176,9 +177,16 @@ class CallChannel:
 
 
 def _frozen(value: Any) -> bool:
-    """Whether ``value`` is a tensor, a plain value or a tuple of them: what the loop cannot change in place but
-    through a tensor's own in-place operations, which its version counts."""
-    return isinstance(value, (torch.Tensor, *_VALUES)) or type(value) is tuple and all(map(_frozen, value))
+    """Whether ``value`` is a tensor, a plain value, a cache (see :func:`_is_cache`) or a tuple of them: what the loop
+    cannot change in place but through a tensor's own in-place operations, which its version counts."""
+    return isinstance(value, (torch.Tensor, *_VALUES)) or _is_cache(value) or \
+        type(value) is tuple and all(map(_frozen, value))
+
+
+def _watched(constants: tuple) -> bool:
+    """Whether a call structure's non-tensor leaves hold an object the loop may change between calls (not a plain
+    value, not a cache): pickled at each call, as the block would see it."""
+    return any(not isinstance(c, _VALUES) and not _is_cache(c) for c in constants)
 
 
 def _same_structure(a: Structure, b: Structure) -> bool:
@@ -293,6 +301,8 @@ class PipelinedLayerList(StandIn, nn.Module):
         num_stages: the number of stages.
         channel: where call structures are published and looked up.
     """
+
+    passes_inputs_on = True  # every stage's message carries every extra tensor on (see Stage._warn_unused)
 
     def __init__(self, blocks: Sequence[nn.Module], ranges: Sequence[Tuple[int, int]], stages: Sequence[int],
                  num_stages: int, channel: CallChannel) -> None:
@@ -435,8 +445,8 @@ class PipelinedLayerList(StandIn, nn.Module):
                                 f"once, in order, starting at block 0")
         if seen:
             self._refuse_changed_hidden(index, args[0])
-        # objects other than plain values are pickled now, as the block would see them, tensors' versions noted
-        key = self.channel.publish(structure) if _copied_per_run(structure[1]) else None
+        # objects the loop may change are pickled now, as the block would see them, tensors' versions noted
+        key = self.channel.publish(structure) if _watched(structure[1]) else None
         seen.append((index, structure, tensors, key, [t._version for t in tensors]))
         start, stop = self.ranges[0]
         if index == 0:
@@ -558,6 +568,8 @@ class LayerListChunk(nn.Module):
 
     It registers the same block objects as the stand-in, but it is no part of the LightningModule.
     """
+
+    passes_inputs_on = True
 
     def __init__(self, owner: PipelinedLayerList, k: int) -> None:
         super().__init__()

@@ -284,6 +284,8 @@ def _detach(value: Any) -> Any:
         return value.detach().clone()
     if isinstance(value, dict):
         return {k: _detach(v) for k, v in value.items()}
+    if isinstance(value, list):  # a list state (CatMetric's) grows in place: a copy, not the same list
+        return [_detach(v) for v in value]
     return value
 
 
