@@ -282,8 +282,11 @@ def _failed_key(group: Any) -> str:
 def note_failed_group(group: Any) -> None:
     """A pipeline step on ``group`` failed here: its messages may still be posted or in flight. Written to the job's
     store by every rank that saw the failure (the one that failed, those that stopped because of it), before its
-    error reaches the caller."""
-    _store().set(_failed_key(group), "1")
+    error reaches the caller. Best effort: where the store went with a failed rank 0, its error is the one to keep."""
+    try:
+        _store().set(_failed_key(group), "1")
+    except Exception:  # noqa: BLE001 (the store's host may be gone: the step's own error is what the caller needs)
+        pass
 
 
 def refuse_failed_group(group: Any) -> None:

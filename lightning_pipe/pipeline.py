@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_pipe import rng
 from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
-from lightning_pipe.errors import ConfigurationError, PipelineAbortedError, PipelineStepError
+from lightning_pipe.errors import ConfigurationError, PipelineAbortedError
 from lightning_pipe.executor import Executor, StepResult
 from lightning_pipe.faults import ErrorChannel, end_process_groups_at_exit, note_failed_group, refuse_failed_group
 from lightning_pipe.memory import ActivationMeter, MeterOff
@@ -312,7 +312,7 @@ class Pipeline(Tracing):
                 [0] * (self.chunks - len(sizes))
         try:
             header = self.transport.exchange_header(header, 3 + self.chunks, changed)
-        except (PipelineStepError, PipelineAbortedError):
+        except PipelineAbortedError:  # a rank failed before this step's header reached this one
             note_failed_group(self.group)
             raise
         num_microbatches = header[0]
