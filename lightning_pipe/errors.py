@@ -43,3 +43,24 @@ class StaleValueError(PipelineError, RuntimeError):
 
 class BatchMismatchError(ConfigurationError):
     """The processes of one pipeline loaded different batches (data sharded or randomized per process)."""
+
+
+_STEP_ERRORS: dict = {}
+
+
+def step_error(cause: BaseException, message: str) -> PipelineStepError:
+    """The :class:`PipelineStepError` a failed action raises on its rank: also an instance of ``cause``'s class when
+    that is one of lightning_pipe's named errors, so that ``except BodyCallError`` catches a refusal raised inside a
+    step as it catches one raised outside.
+
+    Example:
+        >>> error = step_error(BodyCallError("no"), "[pp_rank 1 | step 0 | 1F0] BodyCallError: no")
+        >>> isinstance(error, PipelineStepError), isinstance(error, BodyCallError), type(error).__name__
+        (True, True, 'PipelineStepError')
+    """
+    kind = type(cause)
+    if not issubclass(kind, PipelineError) or issubclass(kind, (PipelineStepError, PipelineAbortedError)):
+        return PipelineStepError(message)
+    if kind not in _STEP_ERRORS:
+        _STEP_ERRORS[kind] = type("PipelineStepError", (PipelineStepError, kind), {"__module__": __name__})
+    return _STEP_ERRORS[kind](message)

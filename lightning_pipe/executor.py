@@ -27,7 +27,7 @@ import torch
 from torch.autograd import _profiler_enabled  # the C++ profiler's state: ~0.2 µs to ask
 from torch.autograd.profiler import record_function
 
-from lightning_pipe.errors import PipelineAbortedError, PipelineStepError
+from lightning_pipe.errors import PipelineAbortedError, step_error
 from lightning_pipe.faults import note_failed_group
 from lightning_pipe.schedule.action import (
     RECV_B, RECV_F, RECV_KINDS, RECV_SKIP, RECV_SKIP_GRAD, SEND_B, SEND_F, SEND_KINDS, SEND_SKIP, SEND_SKIP_GRAD,
@@ -158,7 +158,7 @@ class Executor:
             note_failed_group(self.transport._process_group)
             message = f"[pp_rank {self.pp_rank} | step {step} | {self._current}] {type(exc).__name__}: {exc}"
             self.transport.errors.report(message)
-            raise PipelineStepError(message) from exc
+            raise step_error(exc, message) from exc
         end = time.perf_counter()
         self._result.wall_seconds = end - start
         if self._rec is not None:

@@ -257,7 +257,7 @@ def test_a_block_call_wrapped_in_torch_checkpoint_or_unpacked_is_refused(mode):
     for reentrant in (False, True):  # regression (review O): through a lambda, refused later with a wrong cause
         with pytest.raises(BodyCallError, match="called inside torch.utils.checkpoint"):
             torch.utils.checkpoint.checkpoint(lambda h, block=layers[0]: block(h), x, use_reentrant=reentrant)
-    with pytest.raises(BodyCallError, match="unpacked or iterated block 0"):
+    with pytest.raises(BodyCallError, match="unpacked or indexed block 0"):
         attn, ff = layers[0]
     whole, _ = stand_in(0, 4, num_stages=1)
     torch.utils.checkpoint.checkpoint(whole[0], x, use_reentrant=False)  # one stage: torch's checkpoint as usual
@@ -675,3 +675,22 @@ def test_the_call_channel_keeps_a_bounded_number_of_structures_and_reads_older_o
     for channel_ in (channel, reader):
         _, constants, _ = channel_.lookup(keys[0])
         assert constants[0].depth == 0 and channel_.lookup(keys[0])[1][0] is not constants[0]  # a copy per run
+
+
+def test_lightnings_finetuning_callback_takes_a_layer_list_apart_and_unfreezes_every_block():
+    """Regression (review W): BaseFinetuning's unfreeze_and_add_param_group(pl_module.layers, ...) stopped both ranks
+    with "the loop unpacked or iterated block 0": its flatten_modules iterates whatever is iterable, and the loop's
+    block proxies were (to refuse `attn, ff = block`, which indexing now refuses)."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    layers, blocks = stand_in(2, 4, stage_index=1)
+    assert BaseFinetuning.flatten_modules(layers) == [block.linear for block in blocks]
+    BaseFinetuning.freeze(layers)
+    assert not any(p.requires_grad for block in blocks for p in block.parameters())
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    BaseFinetuning.unfreeze_and_add_param_group(layers, optimizer, lr=0.05)
+    assert all(p.requires_grad for block in blocks for p in block.parameters())
+    assert len(optimizer.param_groups[1]["params"]) == 8 and optimizer.param_groups[1]["lr"] == 0.05
+    layers.begin_step("replace", (torch.randn(3, 4),))
+    with pytest.raises(BodyCallError, match="unpacked or indexed block 1"):
+        attn, ff = layers[1]

@@ -20,6 +20,7 @@ from torch import nn
 from lightning_pipe import (
     ConfigurationError, Interleaved1F1B, PartitionError, Pipeline, ZeroBubbleH1, ZeroBubbleH2, ZeroBubbleV, partition,
 )
+from lightning_pipe.errors import BodyCallError, PipelineStepError
 from lightning_pipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from lightning_pipe.partition import balance_by_layers
 from lightning_pipe.schedule import ALL_SCHEDULES
@@ -460,3 +461,27 @@ def test_a_new_pipeline_on_a_group_a_step_failed_on_is_refused_on_every_rank():
     results = distributed.run(_pipeline_after_a_failed_step, 2, timeout=60)
     assert all("a pipeline step on this process group failed in this process" in r and "new_group" in r
                for r in results), results
+
+
+class _Refusing(nn.Module):
+    def forward(self, x):
+        raise BodyCallError("refused inside the step")
+
+
+def _named_error_in_a_step(rank: int, world: int) -> tuple:
+    torch.manual_seed(0)
+    part = partition(nn.Sequential(nn.Linear(6, 6), _Refusing()).double(), rank, world, balance=[1, 1])
+    pipe = Pipeline(part, chunks=2, schedule="1f1b")
+    try:
+        pipe.forward_backward(torch.randn(4, 6, dtype=torch.float64), criterion=lambda out: out.sum())
+    except Exception as error:  # noqa: BLE001
+        return type(error).__name__, isinstance(error, BodyCallError), isinstance(error, PipelineStepError)
+    return ("trained",)
+
+
+def test_a_named_error_raised_inside_a_step_is_still_that_error_on_its_rank():
+    """Review W: README's "raises BodyCallError" for refusals met inside a step was true of the message only: the
+    failing rank raised a plain PipelineStepError. It is now also the named error there (the others stop with
+    PipelineAbortedError, naming it)."""
+    assert distributed.run(_named_error_in_a_step, 2) == [("PipelineAbortedError", False, False),
+                                                          ("PipelineStepError", True, True)]

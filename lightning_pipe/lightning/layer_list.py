@@ -211,9 +211,13 @@ class BlockProxy:
             )
         return self._owner.call_block(self._index, args, kwargs)
 
-    def __iter__(self):
+    # No __iter__: code that takes any iterable apart (Lightning's BaseFinetuning.flatten_modules) would iterate a
+    # block. Unpacking one (`attn, ff = block`) falls back to indexing, refused here with what to do instead.
+    def __getitem__(self, index: Any) -> Any:
+        if self._owner.mode == "local" and hasattr(type(self._owner.blocks[self._index]), "__getitem__"):
+            return self._owner.blocks[self._index][index]
         raise BodyCallError(
-            f"the loop unpacked or iterated block {self._index} of the layer list; under PipeStrategy each element "
+            f"the loop unpacked or indexed block {self._index} of the layer list; under PipeStrategy each element "
             "of the list is one block, called whole with the hidden state (`x = block(x, ...)`). Wrap the parts "
             "(e.g. attention and feed-forward) in one module per block"
         )
