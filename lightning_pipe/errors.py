@@ -57,10 +57,13 @@ def step_error(cause: BaseException, message: str) -> PipelineStepError:
         >>> error = step_error(BodyCallError("no"), "[pp_rank 1 | step 0 | 1F0] BodyCallError: no")
         >>> isinstance(error, PipelineStepError), isinstance(error, BodyCallError), type(error).__name__
         (True, True, 'PipelineStepError')
+        >>> import pickle; type(pickle.loads(pickle.dumps(error))) is PipelineStepError
+        True
     """
     kind = type(cause)
     if not issubclass(kind, PipelineError) or issubclass(kind, (PipelineStepError, PipelineAbortedError)):
         return PipelineStepError(message)
-    if kind not in _STEP_ERRORS:
-        _STEP_ERRORS[kind] = type("PipelineStepError", (PipelineStepError, kind), {"__module__": __name__})
+    if kind not in _STEP_ERRORS:  # pickled (a spawn launcher sends it to its parent) as the plain PipelineStepError
+        _STEP_ERRORS[kind] = type("PipelineStepError", (PipelineStepError, kind),
+                                  {"__module__": __name__, "__reduce__": lambda self: (PipelineStepError, self.args)})
     return _STEP_ERRORS[kind](message)
