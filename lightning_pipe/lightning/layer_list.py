@@ -205,9 +205,10 @@ class BlockProxy:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._owner.mode != "local" and _inside_checkpoint(sys._getframe(1)):
             raise BodyCallError(
-                f"block {self._index} was called inside torch.utils.checkpoint (e.g. Hugging Face's "
-                "gradient_checkpointing_enable()); under PipeStrategy each stage runs its own blocks, so checkpoint "
-                "them with PipeStrategy(checkpoint='except_last' or 'always') and call the blocks directly"
+                f"block {self._index} was called inside torch.utils.checkpoint (e.g. by transformers 4's "
+                "gradient_checkpointing_enable(); transformers 5 checkpoints inside each block, which works); under "
+                "PipeStrategy each stage runs its own blocks, so checkpoint them with PipeStrategy(checkpoint="
+                "'except_last' or 'always') and call the blocks directly"
             )
         return self._owner.call_block(self._index, args, kwargs)
 
