@@ -16,9 +16,13 @@ and hands out proxies of the blocks. The rule for a block call:
   else (None, flags, numbers, the structure of tuples and dicts) travels once, as a
   content-addressed record in the job's store, and each message carries its 64-bit id. Other
   objects are values too: each run of a stage's blocks (a microbatch's forward, its recomputation
-  under activation checkpointing) gets its own copy of them as they were at the loop's first
-  block call, so a stateful one (a Hugging Face key/value ``Cache``, which every block appends to)
-  sees one microbatch's forward on every stage, as under DDP, never another microbatch's.
+  under activation checkpointing) gets its own copy of them as they were at each block's call, so a
+  stateful one (a Hugging Face key/value ``Cache``, which every block appends to) sees one
+  microbatch's forward on every stage, as under DDP, never another microbatch's. What a block
+  changes in such a copy stays there: a block that changes one (an auxiliary loss appended to it)
+  is refused, but for a cache, whose layers read back only what each wrote. A dict, list or
+  object the loop changes between the calls reaches each block as it was at that block's call; a
+  tensor it changes in place after a call is refused (its version is noted at the call).
 
 On the first stage the loop runs through, every call recorded, and the final block call runs the
 stage's blocks, each with the extra arguments it was called with, and stops the step (in the
@@ -264,9 +268,9 @@ def _refuse_run_state(module: nn.Module, name: str, value: Any, index: int, path
     on their stages, outside the step."""
     if isinstance(value, torch.Tensor) and name in vars(module):
         raise BodyCallError(
-            f"the loop read `{path}` of block {index}, a tensor the block keeps as a plain attribute (one it sets as it "
-            "runs, such as an auxiliary loss); under PipeStrategy the blocks run on their stages, outside your step, so "
-            "this process's value is not this microbatch's, or is the block's initial value where another stage holds "
+            f"the loop read `{path}` of block {index}, a tensor the block keeps as a plain attribute (one it sets as "
+            "it runs, such as an auxiliary loss); under PipeStrategy the blocks run on their stages, outside your step, "
+            "so this process's value is not this microbatch's, or is the block's initial value where another stage holds "
             "it. Let the blocks return only the hidden state (an auxiliary loss can reach the backward through it); a "
             "constant tensor can be a buffer (`register_buffer(name, tensor, persistent=False)`)"
         )
@@ -321,7 +325,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         self.length = len(blocks)
         self.channel = channel
         # per block call: (index, structure, tensors), and on the first stage its content key (for structures
-        # holding objects copied per run, else None) and the tensors' versions at the call
+        # holding objects the loop may change, see _watched; else None) and the tensors' versions at the call
         self._seen: List[tuple] = []
         self._handed: Optional[torch.Tensor] = None  # the stand-in (or hidden state) the last call returned
         # learned on the first stage from the loop's first pass: what a block returns besides the hidden state
@@ -491,8 +495,8 @@ class PipelinedLayerList(StandIn, nn.Module):
                 raise BodyCallError(
                     f"the loop changed a tensor in place after giving it to block {index} (its extra tensor argument "
                     f"{changed[0]}, e.g. `scale.mul_(0.5)` between the calls); under PipeStrategy the blocks run after "
-                    f"the loop's last call, so block {index} would see the changed value. Give each block its own tensor "
-                    "(`scale = scale * 0.5`)"
+                    f"the loop's last call, so block {index} would see the changed value. Give each block its own "
+                    "tensor (`scale = scale * 0.5`)"
                 )
         _, first, tensors, key, _ = seen[0]
         same = all((structure is first and others is tensors) or (

@@ -128,8 +128,8 @@ def refuse_other_stages_values(module: nn.Module, body_path: str, what: str, cau
         return
     held = f"stage {stages[0]}" if len(stages) == 1 else f"stages {list(stages)}"
     raise BodyCallError(
-        f"{what}: under PipeStrategy this process holds {held} of the {num_stages} stages of `self.{body_path}`, and the "
-        f"layers of the other stages are meta copies here (no values), so a value computed from one (e.g. a penalty "
+        f"{what}: under PipeStrategy this process holds {held} of the {num_stages} stages of `self.{body_path}`, and "
+        f"the layers of the other stages are meta copies here (no values), so a value computed from one (e.g. a penalty "
         f"on `self.{body_path}[0].weight`, or its norm logged, in the step on the last stage) cannot be computed. Use "
         "a layer's weights only inside the body, where its stage runs them; a penalty on weights can be the "
         "optimizer's weight_decay"

@@ -59,7 +59,8 @@ def show(name: str, num_stages: int, num_microbatches: int, virtual_stages: Opti
         f"backward {backward_cost:g}:",
         f"  makespan {result.makespan:g}, bubble {result.bubble_fraction:.1%}",
         # a rank holding v stages keeps 1/v of its share per (stage, microbatch): as compare and the summary count
-        "  peak activations per rank (microbatches through its share): " + " ".join(f"{m:g}" for m in result.peak_memory),
+        "  peak activations per rank (microbatches through its share): "
+        + " ".join(f"{m:g}" for m in result.peak_memory),
     ]
     if png:
         from lightning_pipe.timeline import save_schedule_png
