@@ -148,8 +148,7 @@ def _publish(store: Optional[dist.Store], message: str) -> None:
 def report_job_error(message: str) -> None:
     """Tell every pipeline of the job that watches it that this rank failed."""
     if dist.is_initialized():
-        # Private API: the default store is the one every rank already shares (see pipeline.py).
-        _publish(dist.PrefixStore(JOB_PREFIX, dist.distributed_c10d._get_default_store()), message)
+        _publish(dist.PrefixStore(JOB_PREFIX, _store()), message)
 
 
 class _Slot:

@@ -188,9 +188,9 @@ def _frozen(value: Any) -> bool:
 
 
 def _watched(constants: tuple) -> bool:
-    """Whether a call structure's non-tensor leaves hold an object the loop may change between calls (not a plain
-    value, not a cache): pickled at each call, as the block would see it."""
-    return any(not isinstance(c, _VALUES) and not _is_cache(c) for c in constants)
+    """Whether a call structure's non-tensor leaves hold an object the loop may change between calls (one not
+    :func:`_frozen`): pickled at each call, as the block would see it."""
+    return not all(map(_frozen, constants))
 
 
 def _same_structure(a: Structure, b: Structure) -> bool:

@@ -446,16 +446,21 @@ def metric_states(module: nn.Module, body_path: str) -> Dict[str, Dict[str, Any]
     return out
 
 
-def load_metric_states(module: nn.Module, states: Dict[str, Dict[str, Any]], device: torch.device) -> None:
+def load_metric_states(module: nn.Module, states: Dict[str, Dict[str, Any]],
+                       device: Optional[torch.device] = None) -> None:
+    """Put :func:`metric_states`' ``states`` into the module's Metrics, on ``device`` (None: where they are)."""
+    def place(value: torch.Tensor) -> torch.Tensor:
+        return value if device is None else value.to(device)
+
     for path, state in states.items():
         metric = module.get_submodule(path)
         for name, value in state.items():
             if name == "_update_count":
                 metric._update_count = value
             elif isinstance(value, list):
-                setattr(metric, name, [v.to(device) for v in value])
+                setattr(metric, name, [place(v) for v in value])
             else:
-                setattr(metric, name, value.to(device))
+                setattr(metric, name, place(value))
         metric._computed = None
 
 

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.lightning.body import set_submodule
 from lightning_pipe.lightning.layer_list import _hidden_of
-from lightning_pipe.lightning.logs import LogRecorder, metric_states
+from lightning_pipe.lightning.logs import LogRecorder, load_metric_states, metric_states
 from lightning_pipe.partition import layer_flops, layer_memory, layer_times, meta_like
 
 MEASURES: Dict[str, Callable[[nn.Sequential, Any], List[float]]] = {
@@ -91,11 +91,7 @@ def body_input(module: nn.Module, path: str, body: nn.Module, batch: Any) -> Tup
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
-        for metric_path, state in metrics.items():  # on their own devices, as they were
-            metric = module.get_submodule(metric_path)
-            for name, value in state.items():
-                setattr(metric, name, value)
-            metric._computed = None
+        load_metric_states(module, metrics)  # on their own devices, as they were
     raise ConfigurationError("training_step returned without calling the body, so balance by measurement cannot "
                              "learn its input; give balance=[...] layer counts instead")
 
