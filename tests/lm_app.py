@@ -323,6 +323,10 @@ class TiedSavedOnce(TiedSequential):
     def on_save_checkpoint(self, checkpoint):
         del checkpoint["state_dict"]["body.0.weight"]
 
+    def configure_optimizers(self):
+        # the parameters in reverse: one param group whose order across the stages is not the model's (review Y)
+        return torch.optim.AdamW(list(self.parameters())[::-1], lr=self.lr, weight_decay=0.01)
+
 
 class SumRegression(pl.LightningModule):
     def __init__(self) -> None:

@@ -291,6 +291,15 @@ def test_balance_by_flops_cuts_every_stage_of_an_interleaved_pipeline(lm_runs):
         for stage, layers, rank in rows), output)
 
 
+def _tied_once_checkpoints(lm_runs) -> list:
+    """(pipelined sharded checkpoint, DDP's file) of `tied_once`: the last one fit saved, and the one saved after."""
+    want, got = lm_runs("reference")[0]["tied_once"], lm_runs("world2")[0]["tied_once_sharded"]
+    _, root, _ = lm_runs("world2")
+    _, reference_root, _ = lm_runs("reference")
+    return [(got["last_model_path"], want["last_model_path"]),
+            (os.path.join(root, "tied_once_sharded", "final.ckpt"), os.path.join(reference_root, "tied_once", "final.ckpt"))]
+
+
 def test_a_hook_deleting_one_key_of_a_tied_weight_saves_the_other_in_sharded_checkpoints_as_under_ddp(lm_runs):
     """Regression (this stop): `del checkpoint["state_dict"]["body.0.weight"]`, the embedding's key of a weight tied
     to the head, made the sharded save expect neither key, and then refuse the head's (not the model's); saved after
@@ -298,16 +307,30 @@ def test_a_hook_deleting_one_key_of_a_tied_weight_saves_the_other_in_sharded_che
     (CheckpointMismatchError: no rank saves it). One process's file keeps the head's key."""
     from lightning_pipe.consolidate import consolidate
 
-    want, got = lm_runs("reference")[0]["tied_once"], lm_runs("world2")[0]["tied_once_sharded"]
-    _, root, _ = lm_runs("world2")
-    _, reference_root, _ = lm_runs("reference")
-    for saved, reference in ((got["last_model_path"], want["last_model_path"]),
-                             (os.path.join(root, "tied_once_sharded", "final.ckpt"),
-                              os.path.join(reference_root, "tied_once", "final.ckpt"))):
+    for saved, reference in _tied_once_checkpoints(lm_runs):
         assert os.path.isdir(saved)
         keys = list(torch.load(reference, weights_only=False)["state_dict"])
         assert "body.0.weight" not in keys and "body.5.weight" in keys
         assert sorted(consolidate(saved)["state_dict"]) == sorted(keys)
+
+
+def test_a_param_group_ordered_otherwise_than_the_model_is_saved_in_its_own_order_as_under_ddp(lm_runs):
+    """Regression (review Y): each stage's optimizer holds its own parameters only, and the checkpoint ordered a
+    group's parameters of different stages by the model's order; `AdamW(list(self.parameters())[::-1])` was saved
+    with each stage's state in the wrong places (shapes that happen to match resume silently into other
+    parameters). The order is now learned from configure_optimizers run over the whole model (meta elsewhere),
+    the tied weight (a copy per stage there) counted once at its first place, as one process counts it."""
+    from lightning_pipe.consolidate import consolidate
+
+    for saved, reference in _tied_once_checkpoints(lm_runs):
+        (ours,), (theirs,) = consolidate(saved)["optimizer_states"], torch.load(reference, weights_only=False)[
+            "optimizer_states"]
+        assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
+        assert sorted(ours["state"]) == sorted(theirs["state"])
+        for index, state in theirs["state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, i=index, k=key: f"parameter {i}, {k}: {m}")
 
 
 def test_two_stages_per_process_checkpoints_hold_the_plain_module_and_resume_as_lightning(lm_runs):

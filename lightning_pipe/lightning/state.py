@@ -90,15 +90,50 @@ def group_names(optimizer: Optimizer, names: Mapping[int, str]) -> List[List[str
     return [[names[id(p)] for p in group["params"] if id(p) in names] for group in optimizer.param_groups]
 
 
-def full_layout(per_stage: Sequence[List[List[str]]], order: Sequence[str]) -> List[List[str]]:
+def full_layout(per_stage: Sequence[List[List[str]]], order: Sequence[str],
+                whole: Optional[Sequence[List[str]]] = None) -> List[List[str]]:
     """Each param group's names across all stages, in the unpartitioned model's group order.
 
-    Every stage lists a group's names in the group's own order (the user's, as in
+    ``whole``: each group's names as ``configure_optimizers`` listed them over the whole model
+    (see :meth:`Checkpoints.note_whole_orders`), taken where the stages' names are that group's, each
+    stage's in its order. Otherwise (groups added since, or no such list) the stages' lists are merged:
+    every stage lists a group's names in the group's own order (the user's, as in
     ``[*head.parameters(), *backbone.parameters()]``), each stage those it can name; the merge keeps
     every stage's order, and puts names no stage orders against each other in ``order`` (the
-    model's ``named_parameters()`` order).
+    model's ``named_parameters()`` order), which is a guess where the user's order differs.
     """
-    return [merge_orders([stage[g] for stage in per_stage], order) for g in range(len(per_stage[0]))]
+    layout = []
+    for g in range(len(per_stage[0])):
+        lists = [stage[g] for stage in per_stage]
+        if whole is not None and g < len(whole) and _lists_follow(lists, whole[g]):
+            layout.append(list(whole[g]))
+        else:
+            layout.append(merge_orders(lists, order))
+    return layout
+
+
+def _lists_follow(lists: Sequence[Sequence[str]], full: Sequence[str]) -> bool:
+    """Whether ``lists`` together hold the names of ``full``, each list in ``full``'s order. A name on several lists
+    (a parameter tied across stages, which each stage lists where its own copy sits) is left out of the order.
+
+    Example:
+        >>> _lists_follow([["b.1", "a"], ["b.0"]], ["b.1", "b.0", "a"]), _lists_follow([["a", "b.1"]], ["b.1", "a"])
+        (True, False)
+        >>> _lists_follow([["t", "b.1"], ["b.0", "t"]], ["b.1", "b.0", "t"])
+        True
+    """
+    position = {name: i for i, name in enumerate(full)}
+    if len(position) != len(full) or {n for names in lists for n in names} != set(full):
+        return False
+    counts: Dict[str, int] = {}
+    for names in lists:
+        for name in set(names):
+            counts[name] = counts.get(name, 0) + 1
+    for names in lists:
+        placed = [position[n] for n in names if counts[n] == 1]
+        if placed != sorted(placed):
+            return False
+    return True
 
 
 def merge_orders(lists: Sequence[Sequence[str]], order: Sequence[str]) -> List[str]:
@@ -139,6 +174,21 @@ def merge_orders(lists: Sequence[Sequence[str]], order: Sequence[str]) -> List[s
             if before_count[b] == 0 and b not in done:
                 heapq.heappush(ready, (key(b), b))
     return merged
+
+
+def _named_once(params: Sequence[torch.Tensor], paths: Mapping[int, str], canonical: Callable[[str], str]) -> List[str]:
+    """The canonical names of ``params``, each once. A parameter tied across stages is one object in one process,
+    which ``self.parameters()`` yields at its canonical (first) place; the whole model shown here holds a copy per
+    stage, so the copy at that place stands for it and the others are left out."""
+    named = [(canonical(paths[id(p)]), paths[id(p)]) for p in params if id(p) in paths]
+    at_home = {name for name, path in named if name == path}
+    kept: List[str] = []
+    seen: Set[str] = set()
+    for name, path in named:
+        if name not in seen and (name == path or name not in at_home):
+            kept.append(name)
+            seen.add(name)
+    return kept
 
 
 def optimizer_contribution(optimizer: Optimizer, names: Mapping[int, str], owned: set) -> Dict[str, Any]:
@@ -225,6 +275,7 @@ class Checkpoints:
         self.given: Optional[HookState] = None  # the state dict the checkpoint hooks were given (for_hooks)
         self.before_hooks: Dict[str, Any] = {}  # its entries then
         self.layouts: List[List[List[str]]] = []
+        self.whole_orders: Optional[List[List[List[str]]]] = None  # see note_whole_orders
 
     def _names(self) -> Dict[int, str]:
         """``id -> canonical name`` of the parameters this rank's optimizers can hold: its module's, and the
@@ -235,14 +286,44 @@ class Checkpoints:
             names.setdefault(id(p), split.canonical(name))
         return names
 
+    def note_whole_orders(self, build: Callable[[], Sequence[Optimizer]]) -> Optional[str]:
+        """Learn each optimizer's param groups, by name, as ``build`` (``configure_optimizers``) lists them over the
+        whole model, with the whole body installed (other stages' layers on the meta device).
+
+        Each stage's optimizers hold its own parameters only, so the order of a group's parameters on different
+        stages is the user's code's alone (``Adam(reversed(list(self.parameters())))``): the checkpoint's layout
+        (:func:`full_layout`) takes it from here. The optimizers built are dropped. A collective over the
+        pipeline (see :meth:`SplitModel.show_whole`).
+
+        Returns:
+            Why the orders could not be learned (``build`` raised: ``fused=True`` refuses meta tensors, say), or
+            None.
+        """
+        self.whole_orders = None
+        self.split.show_whole(self.pp_group)
+        try:
+            paths = parameter_names(self.module)  # where each parameter object sits in the whole model
+            optimizers = build()
+        except Exception as error:  # noqa: BLE001 - the real build that follows raises what concerns the user
+            return f"{type(error).__name__}: {error}"
+        finally:
+            self.split.install(whole=False)
+        self.whole_orders = [[_named_once(group["params"], paths, self.split.canonical)
+                              for group in getattr(o, "_optimizer", o).param_groups] for o in optimizers]
+        return None
+
     def record_layouts(self, optimizers: Sequence[Optimizer]) -> None:
         """Each optimizer's param groups over all stages, by canonical name (a collective)."""
         names = self._names()
         self.layouts = []
-        for optimizer in optimizers:
+        for index, optimizer in enumerate(optimizers):
+            whole = self.whole_orders[index] if self.whole_orders is not None and index < len(self.whole_orders) \
+                else None
             per_stage: List[Any] = [None] * self.num_stages
-            dist.all_gather_object(per_stage, group_names(optimizer, names), group=self.pp_group)
-            self.layouts.append(full_layout(per_stage, self.split.parameter_order))
+            dist.all_gather_object(per_stage, (group_names(optimizer, names), whole), group=self.pp_group)
+            # the stages' whole-model lists, where every stage learned the same one (its code may differ per rank)
+            agreed = per_stage[0][1] if all(w == per_stage[0][1] for _, w in per_stage) else None
+            self.layouts.append(full_layout([own for own, _ in per_stage], self.split.parameter_order, agreed))
 
     def _gather_to_zero(self, contribution: Any) -> Optional[list]:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

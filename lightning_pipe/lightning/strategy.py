@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import shutil
+import warnings
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -33,8 +34,10 @@ from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import LearningRateFinder
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -399,6 +402,16 @@ class PipeStrategy(DDPStrategy):
         if self._checkpoints is None or self._checkpoints.split is not self.split:
             self._checkpoints = Checkpoints(self.split, module, self.pp_group, self.pp_size, self.dp_rank)
         if fitting:
+            if self.pp_size > 1 and is_overridden("configure_optimizers", module):
+                # first, so that what the user's code keeps (`self.optimizer = ...`) is the real build's
+                failed = self._checkpoints.note_whole_orders(lambda: _init_optimizers_and_lr_schedulers(module)[0])
+                if failed is not None and self.dp_rank == 0:
+                    warnings.warn(
+                        f"PipeStrategy could not run configure_optimizers over the whole model (other stages' layers "
+                        f"on the meta device) to learn each param group's order ({failed}); checkpoints order a "
+                        "group's parameters of different stages by the model's parameter order, so a group that "
+                        "lists them in another order is saved in a different order than one process saves it",
+                        stacklevel=2)
             with trainable_placeholder(module, self.root_device):
                 self.setup_optimizers(trainer)
             self._refuse_unsupported_optimizers()
