@@ -492,6 +492,49 @@ def test_a_tensor_a_block_sets_as_it_runs_read_by_the_loop_is_refused(where):
         _replace_step(layers, loop)
 
 
+class AuxBlock(Block):
+    """Sets an auxiliary loss (None until it first runs) and a router's load (a float) as it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux_loss = None
+        self.linear.load = None
+
+    def forward(self, x, **kwargs):
+        y = super().forward(x, **kwargs)
+        self.aux_loss, self.linear.load = (y ** 2).mean(), float(y.abs().mean())
+        return y
+
+
+@pytest.mark.parametrize("where", ["block", "part"])
+def test_an_attribute_a_block_sets_as_it_runs_read_by_the_loop_is_refused_while_not_a_tensor(where):
+    """Regression (review AA): `a = self.layers[1].aux_loss; loss = ce + (0.1 * a if a is not None else 0)` on the
+    last stage read block 1's initial None (block 1 runs on the first stage) and trained without the auxiliary
+    term (weights 0.53 from DDP's). The attributes the stage's own blocks set as they run are noted from their
+    first calls, told to the other processes through the job's store; those calls come before the last stage's
+    run of the step on their output. Reading one is refused like a tensor."""
+    import torch.distributed as dist
+
+    blocks, store = [AuxBlock() for _ in range(4)], dist.HashStore()
+    first, _ = stand_in(0, 2, blocks)
+    layers, _ = stand_in(2, 4, blocks, stage_index=1)
+    first.channel, layers.channel = CallChannel(store), CallChannel(store)  # two processes' channels, one store
+    hidden = first.run_blocks(torch.randn(3, 4), ((), {}), 0, 2)  # the first stage's forward
+    blocks[1].aux_loss = blocks[1].linear.load = None  # as the last stage's process holds block 1: never run there
+    layers.run_blocks(hidden, ((), {}), 2, 4)  # the last stage's, before the step runs on its output
+
+    def loop(layers, x):
+        for block in layers:
+            x = block(x)
+        assert layers[1].kind == "full_attention"  # set once, in __init__: reads fine
+        aux = layers[1].aux_loss if where == "block" else layers[1].linear.load
+        return x + (0.1 * aux if aux is not None else 0.0)
+
+    path = "aux_loss" if where == "block" else "linear.load"
+    with pytest.raises(BodyCallError, match=f"the loop read `{path}` of block 1, a plain attribute the block's forward"):
+        _replace_step(layers, loop)
+
+
 def test_a_hook_may_set_an_attribute_of_a_block_and_the_step_may_not():
     """Regression (review O): `block.drop_rate = ...` from on_train_batch_start raised a bare AttributeError
     (the proxy has slots); every process runs the hook, so it is set on every copy. Set in the step, it would not

@@ -44,7 +44,7 @@ import itertools
 import pickle
 import sys
 import types
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,7 @@ _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 Structure = Tuple[Any, tuple, tuple]  # (tree spec, non-tensor leaves, tensor slot per leaf or -1)
 _PER_BLOCK = "lightning_pipe_calls_per_block"  # the only keyword of a call structure holding one call per block
 _UNKNOWN = object()
+_WATCHED_CALLS = 2  # calls of each block whose attribute assignments are noted (see PipelinedLayerList._call)
 
 
 def split_call(args: tuple, kwargs: dict) -> Tuple[Structure, List[torch.Tensor]]:
@@ -129,6 +130,7 @@ class CallChannel:
         self._by_key: Dict[int, Structure] = {}
         self._records: Dict[int, bytes] = {}  # the records of structures holding objects copied per run
         self._last: Optional[Tuple[Structure, int]] = None
+        self._assigned: Dict[int, frozenset] = {}  # per block: the attributes its forward sets (note_assigned)
 
     def publish(self, structure: Structure) -> int:
         spec, constants, slots = structure
@@ -163,6 +165,21 @@ class CallChannel:
             oldest = next(iter(self._by_key))
             del self._by_key[oldest]
             self._records.pop(oldest, None)
+
+    def note_assigned(self, index: int, paths: Set[str]) -> None:
+        """Tell every process which plain attributes block ``index``'s forward sets (see
+        :meth:`PipelinedLayerList.sets_as_it_runs`)."""
+        self._assigned[index] = frozenset(paths)
+        if self.store is not None:
+            self.store.set(f"assigned/{index}", pickle.dumps(sorted(paths)))
+
+    def assigned_of(self, index: int) -> Optional[frozenset]:
+        """The attributes block ``index``'s forward sets, as the process running it noted them; None while unknown
+        (the block has not run yet: the stages before the last run their blocks' first calls before the last stage
+        runs the step)."""
+        if index not in self._assigned and self.store is not None and self.store.check([f"assigned/{index}"]):
+            self._assigned[index] = frozenset(pickle.loads(self.store.get(f"assigned/{index}")))
+        return self._assigned.get(index)
 
     def lookup(self, key: int) -> Structure:
         """The structure published under ``key``, with its own copy of every object that is not a plain value."""
@@ -232,8 +249,8 @@ class BlockProxy:
         value = getattr(block, name)
         if self._owner.mode != "local":
             if isinstance(value, nn.Module):
-                return _PartOfBlock(value, self._index, name)
-            _refuse_run_state(block, name, value, self._index, name)
+                return _PartOfBlock(value, self._index, name, self._owner)
+            _refuse_run_state(block, name, value, self._index, name, self._owner)
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -262,28 +279,45 @@ def _inside_checkpoint(frame: Any, depth: int = 4) -> bool:
     return False
 
 
-def _refuse_run_state(module: nn.Module, name: str, value: Any, index: int, path: str) -> None:
-    """Refuse a tensor a block keeps as a plain attribute (not a parameter or buffer), read by the loop while the
-    pipeline runs: such a tensor is set as the block runs (an auxiliary loss, a router's load), and the blocks run
-    on their stages, outside the step."""
-    if isinstance(value, torch.Tensor) and name in vars(module):
+def _refuse_run_state(module: nn.Module, name: str, value: Any, index: int, path: str,
+                      owner: "PipelinedLayerList") -> None:
+    """Refuse a plain attribute of a block (not a parameter, buffer or submodule) read by the loop while the
+    pipeline runs, where it is a tensor or one the block's forward sets (an auxiliary loss that starts as None,
+    see :meth:`PipelinedLayerList.sets_as_it_runs`): such a value is set as the block runs (an auxiliary loss, a
+    router's load), and the blocks run on their stages, outside the step."""
+    if name not in vars(module):
+        return
+    tensor = isinstance(value, torch.Tensor)
+    if tensor or owner.sets_as_it_runs(index, path):
+        what = "a tensor the block keeps as a plain attribute" if tensor else "a plain attribute the block's forward sets"
         raise BodyCallError(
-            f"the loop read `{path}` of block {index}, a tensor the block keeps as a plain attribute (one it sets as "
-            "it runs, such as an auxiliary loss); under PipeStrategy the blocks run on their stages, outside your step, "
-            "so this process's value is not this microbatch's, or is the block's initial value where another stage holds "
-            "it. Let the blocks return only the hidden state (an auxiliary loss can reach the backward through it); a "
-            "constant tensor can be a buffer (`register_buffer(name, tensor, persistent=False)`)"
+            f"the loop read `{path}` of block {index}, {what} (one it sets as it runs, such as an auxiliary loss); "
+            "under PipeStrategy the blocks run on their stages, outside your step, so this process's value is not "
+            "this microbatch's, or is the block's initial value where another stage holds it. Let the blocks return "
+            "only the hidden state (an auxiliary loss can reach the backward through it); a constant tensor can be a "
+            "buffer (`register_buffer(name, tensor, persistent=False)`)"
         )
+
+
+def _assigned_by(run: Callable[[], Any], block: nn.Module) -> Tuple[Any, Set[str]]:
+    """``run()`` (a call of ``block``) and the paths (``"aux_loss"``, ``"router.load"``) of the plain attributes that
+    the block or one of its submodules set during it (to a new object)."""
+    modules = list(block.named_modules())
+    before = [dict(vars(m)) for _, m in modules]
+    out = run()
+    paths = {f"{prefix}.{name}" if prefix else name for (prefix, module), state in zip(modules, before)
+             for name, value in vars(module).items() if state.get(name, _UNKNOWN) is not value}
+    return out, paths
 
 
 class _PartOfBlock:
     """A submodule of a block, read through the loop's proxy while the pipeline runs: its attributes
     are the submodule's; calling it is refused (the block may live on another stage, as meta tensors)."""
 
-    __slots__ = ("_module", "_index", "_name")
+    __slots__ = ("_module", "_index", "_name", "_owner")
 
-    def __init__(self, module: nn.Module, index: int, name: str) -> None:
-        self._module, self._index, self._name = module, index, name
+    def __init__(self, module: nn.Module, index: int, name: str, owner: "PipelinedLayerList") -> None:
+        self._module, self._index, self._name, self._owner = module, index, name, owner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise BodyCallError(
@@ -295,8 +329,8 @@ class _PartOfBlock:
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._module, name)
         if isinstance(value, nn.Module):
-            return _PartOfBlock(value, self._index, f"{self._name}.{name}")
-        _refuse_run_state(self._module, name, value, self._index, f"{self._name}.{name}")
+            return _PartOfBlock(value, self._index, f"{self._name}.{name}", self._owner)
+        _refuse_run_state(self._module, name, value, self._index, f"{self._name}.{name}", self._owner)
         return value
 
 
@@ -334,6 +368,9 @@ class PipelinedLayerList(StandIn, nn.Module):
         self._output: Optional[torch.Tensor] = None  # the stage's output, in the first pass
         self._learning = False  # this pass is the first: the stage's blocks run as they are called
         self._first_hook = 0  # the id torch gives the first hook registered after the step began
+        # per block of this process: the plain attributes its forward set in its first calls (see sets_as_it_runs)
+        self._assigned: Dict[int, Set[str]] = {}
+        self._calls_watched = [0] * len(blocks)
         # not registered: the blocks' names stay the list's own
         self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
 
@@ -468,8 +505,8 @@ class PipelinedLayerList(StandIn, nn.Module):
             key = key if key is not None else self.channel.publish(structure)
 
             def run(hidden: torch.Tensor) -> Any:  # its own copy of the arguments, the recomputation's too
-                return self._on_copy(key, lambda call: _call_block(self.blocks[index], index, hidden,
-                                                                  join_call(call, tensors)), f"block {index}")
+                return self._on_copy(key, lambda call: self._call(index, hidden, join_call(call, tensors)),
+                                     f"block {index}")
 
             out = self.run_checkpointed(run, args[0])
             for call in seen:  # what the block changed in place (a tensor every block gets), it changes for all
@@ -521,11 +558,32 @@ class PipelinedLayerList(StandIn, nn.Module):
         for i in range(start, stop):
             if per_block is not None:
                 args, kwargs = per_block[i]
-            out = _call_block(self.blocks[i], i, hidden, (args, kwargs))
+            out = self._call(i, hidden, (args, kwargs))
             if i == self.length - 1:
                 return out
             hidden = _hidden_of(out, i)
         return hidden
+
+    def _call(self, index: int, hidden: torch.Tensor, call: Tuple[tuple, dict]) -> Any:
+        """Block ``index`` called (see :func:`_call_block`); its first calls note the attributes it sets."""
+        if self._calls_watched[index] >= _WATCHED_CALLS:
+            return _call_block(self.blocks[index], index, hidden, call)
+        self._calls_watched[index] += 1
+        out, paths = _assigned_by(lambda: _call_block(self.blocks[index], index, hidden, call), self.blocks[index])
+        known = self._assigned.get(index)
+        if known is None or not paths <= known:  # told at the first call (the others' reads wait for it), and as it grows
+            self._assigned[index] = (known or set()) | paths
+            self.channel.note_assigned(index, self._assigned[index])
+        return out
+
+    def sets_as_it_runs(self, index: int, path: str) -> bool:
+        """Whether block ``index``'s forward sets its plain attribute ``path``: noted from its first calls by the
+        process that runs it (this one, or through the call channel; unknown, so False, before it ran). The loop
+        reading such an attribute of a block another stage runs gets the block's initial value (an auxiliary loss's
+        None), and where this process runs it, a value the step does not order against its run."""
+        if index in self._assigned:
+            return path in self._assigned[index]
+        return path in (self.channel.assigned_of(index) or ())
 
     def _run_message_blocks(self, key: int, tensors: Sequence[torch.Tensor], hidden: torch.Tensor, start: int,
                             stop: int) -> Any:
