@@ -502,23 +502,36 @@ class AuxBlock(Block):
 
     def forward(self, x, **kwargs):
         y = super().forward(x, **kwargs)
-        self.aux_loss, self.linear.load = (y ** 2).mean(), float(y.abs().mean())
+        if self.training:
+            self.aux_loss, self.linear.load = (y ** 2).mean(), float(y.abs().mean())
         return y
 
 
+@pytest.mark.parametrize("validated", [False, True])
 @pytest.mark.parametrize("where", ["block", "part"])
-def test_an_attribute_a_block_sets_as_it_runs_read_by_the_loop_is_refused_while_not_a_tensor(where):
+def test_an_attribute_a_block_sets_as_it_runs_read_by_the_loop_is_refused_while_not_a_tensor(where, validated):
     """Regression (review AA): `a = self.layers[1].aux_loss; loss = ce + (0.1 * a if a is not None else 0)` on the
     last stage read block 1's initial None (block 1 runs on the first stage) and trained without the auxiliary
     term (weights 0.53 from DDP's). The attributes the stage's own blocks set as they run are noted from their
     first calls, told to the other processes through the job's store; those calls come before the last stage's
-    run of the step on their output. Reading one is refused like a tensor."""
+    run of the step on their output. Reading one is refused like a tensor. Review BB: with Lightning's sanity
+    check, two validation calls (eval mode, where `if self.training:` sets nothing) used up the calls watched;
+    each mode now has its own."""
     import torch.distributed as dist
 
     blocks, store = [AuxBlock() for _ in range(4)], dist.HashStore()
     first, _ = stand_in(0, 2, blocks)
     layers, _ = stand_in(2, 4, blocks, stage_index=1)
     first.channel, layers.channel = CallChannel(store), CallChannel(store)  # two processes' channels, one store
+    if validated:  # the sanity check's microbatches first, read back on the last stage as an evaluation step would
+        with torch.no_grad():
+            for block in blocks:
+                block.eval()
+            for _ in range(2):
+                layers.run_blocks(first.run_blocks(torch.randn(3, 4), ((), {}), 0, 2), ((), {}), 2, 4)
+            assert not layers.sets_as_it_runs(1, "aux_loss")
+            for block in blocks:
+                block.train()
     hidden = first.run_blocks(torch.randn(3, 4), ((), {}), 0, 2)  # the first stage's forward
     blocks[1].aux_loss = blocks[1].linear.load = None  # as the last stage's process holds block 1: never run there
     layers.run_blocks(hidden, ((), {}), 2, 4)  # the last stage's, before the step runs on its output

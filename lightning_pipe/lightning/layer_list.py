@@ -61,7 +61,7 @@ _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 Structure = Tuple[Any, tuple, tuple]  # (tree spec, non-tensor leaves, tensor slot per leaf or -1)
 _PER_BLOCK = "lightning_pipe_calls_per_block"  # the only keyword of a call structure holding one call per block
 _UNKNOWN = object()
-_WATCHED_CALLS = 2  # calls of each block whose attribute assignments are noted (see PipelinedLayerList._call)
+_WATCHED_CALLS = 2  # calls of each block per mode whose attribute assignments are noted (PipelinedLayerList._call)
 
 
 def split_call(args: tuple, kwargs: dict) -> Tuple[Structure, List[torch.Tensor]]:
@@ -130,7 +130,7 @@ class CallChannel:
         self._by_key: Dict[int, Structure] = {}
         self._records: Dict[int, bytes] = {}  # the records of structures holding objects copied per run
         self._last: Optional[Tuple[Structure, int]] = None
-        self._assigned: Dict[int, frozenset] = {}  # per block: the attributes its forward sets (note_assigned)
+        self._assigned: Dict[Tuple[int, bool], frozenset] = {}  # per block and mode: what its forward sets
 
     def publish(self, structure: Structure) -> int:
         spec, constants, slots = structure
@@ -166,20 +166,22 @@ class CallChannel:
             del self._by_key[oldest]
             self._records.pop(oldest, None)
 
-    def note_assigned(self, index: int, paths: Set[str]) -> None:
-        """Tell every process which plain attributes block ``index``'s forward sets (see
+    def note_assigned(self, index: int, training: bool, paths: Set[str]) -> None:
+        """Tell every process which plain attributes block ``index``'s forward sets in that mode (see
         :meth:`PipelinedLayerList.sets_as_it_runs`)."""
-        self._assigned[index] = frozenset(paths)
+        self._assigned[index, training] = frozenset(paths)
         if self.store is not None:
-            self.store.set(f"assigned/{index}", pickle.dumps(sorted(paths)))
+            self.store.set(f"assigned/{index}/{int(training)}", pickle.dumps(sorted(paths)))
 
-    def assigned_of(self, index: int) -> Optional[frozenset]:
-        """The attributes block ``index``'s forward sets, as the process running it noted them; None while unknown
-        (the block has not run yet: the stages before the last run their blocks' first calls before the last stage
-        runs the step)."""
-        if index not in self._assigned and self.store is not None and self.store.check([f"assigned/{index}"]):
-            self._assigned[index] = frozenset(pickle.loads(self.store.get(f"assigned/{index}")))
-        return self._assigned.get(index)
+    def assigned_of(self, index: int, training: bool) -> Optional[frozenset]:
+        """The attributes block ``index``'s forward sets in that mode, as the process running it noted them; None
+        while unknown (the block has not run so yet: the stages before the last run their blocks' first calls before
+        the last stage runs the step on their output)."""
+        key = (index, training)
+        if key not in self._assigned and self.store is not None and \
+                self.store.check([f"assigned/{index}/{int(training)}"]):
+            self._assigned[key] = frozenset(pickle.loads(self.store.get(f"assigned/{index}/{int(training)}")))
+        return self._assigned.get(key)
 
     def lookup(self, key: int) -> Structure:
         """The structure published under ``key``, with its own copy of every object that is not a plain value."""
@@ -368,9 +370,9 @@ class PipelinedLayerList(StandIn, nn.Module):
         self._output: Optional[torch.Tensor] = None  # the stage's output, in the first pass
         self._learning = False  # this pass is the first: the stage's blocks run as they are called
         self._first_hook = 0  # the id torch gives the first hook registered after the step began
-        # per block of this process: the plain attributes its forward set in its first calls (see sets_as_it_runs)
-        self._assigned: Dict[int, Set[str]] = {}
-        self._calls_watched = [0] * len(blocks)
+        # per block of this process and mode: the plain attributes its forward set in its first calls (sets_as_it_runs)
+        self._assigned: Dict[Tuple[int, bool], Set[str]] = {}
+        self._calls_watched = [[0, 0] for _ in blocks]  # per block: calls noted in eval mode, in training mode
         # not registered: the blocks' names stay the list's own
         self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
 
@@ -565,15 +567,19 @@ class PipelinedLayerList(StandIn, nn.Module):
         return hidden
 
     def _call(self, index: int, hidden: torch.Tensor, call: Tuple[tuple, dict]) -> Any:
-        """Block ``index`` called (see :func:`_call_block`); its first calls note the attributes it sets."""
-        if self._calls_watched[index] >= _WATCHED_CALLS:
-            return _call_block(self.blocks[index], index, hidden, call)
-        self._calls_watched[index] += 1
-        out, paths = _assigned_by(lambda: _call_block(self.blocks[index], index, hidden, call), self.blocks[index])
-        known = self._assigned.get(index)
+        """Block ``index`` called (see :func:`_call_block`); its first calls in each mode note the attributes it sets
+        (in training mode too after validation calls: `if self.training: self.aux_loss = ...`)."""
+        block = self.blocks[index]
+        watched = self._calls_watched[index]
+        if watched[block.training] >= _WATCHED_CALLS:
+            return _call_block(block, index, hidden, call)
+        watched[block.training] += 1
+        out, paths = _assigned_by(lambda: _call_block(block, index, hidden, call), block)
+        key = (index, block.training)
+        known = self._assigned.get(key)
         if known is None or not paths <= known:  # told at the first call (the others' reads wait for it), and as it grows
-            self._assigned[index] = (known or set()) | paths
-            self.channel.note_assigned(index, self._assigned[index])
+            self._assigned[key] = (known or set()) | paths
+            self.channel.note_assigned(index, block.training, self._assigned[key])
         return out
 
     def sets_as_it_runs(self, index: int, path: str) -> bool:
@@ -581,9 +587,10 @@ class PipelinedLayerList(StandIn, nn.Module):
         process that runs it (this one, or through the call channel; unknown, so False, before it ran). The loop
         reading such an attribute of a block another stage runs gets the block's initial value (an auxiliary loss's
         None), and where this process runs it, a value the step does not order against its run."""
-        if index in self._assigned:
-            return path in self._assigned[index]
-        return path in (self.channel.assigned_of(index) or ())
+        key = (index, self.blocks[index].training)
+        if key in self._assigned:
+            return path in self._assigned[key]
+        return path in (self.channel.assigned_of(*key) or ())
 
     def _run_message_blocks(self, key: int, tensors: Sequence[torch.Tensor], hidden: torch.Tensor, start: int,
                             stop: int) -> Any:
