@@ -70,6 +70,10 @@ def plan(strategy: Any, module: nn.Module, trainer: Any) -> Layout:
         if built_on_meta and balance != "flops":
             raise ConfigurationError(f"PipeStrategy(balance={balance!r}) runs the whole model on one device, but it "
                                      "was built on the meta device; use balance='flops' or layer counts")
+        if built_on_meta and strategy.global_rank == 0:
+            # the step runs up to the body on real values of the code before it (Hugging Face's mask code reads its
+            # embeddings' output); rank 0, the first stage, materializes the modules outside the body anyway
+            _materialize_outside(module, path)
         costs = _measure(strategy, balance, module, path, body, trainer)
         balance = balance_by_cost(costs, len(strategy.stage_ranks))
     balance = balance_of(body, None if balance == "parameters" else balance, strategy.pp_size, path,
@@ -119,6 +123,13 @@ def _materialize(strategy: Any, module: nn.Module, path: str, body: nn.Module, b
         return runs_outside
 
     materialize(module, strategy.root_device, seed=box[0] % (1 << 63), include=include)
+
+
+def _materialize_outside(module: nn.Module, path: str) -> None:
+    """The modules outside the body, on the CPU, as :func:`_materialize` gives them (the same seed, global rank 0's
+    ``torch.initial_seed()``): that later call leaves them as they are, having no meta tensors left."""
+    materialize(module, "cpu", seed=torch.initial_seed() % (1 << 63),
+                include=lambda name: not (name == path or name.startswith(path + ".")))
 
 
 def _measure(strategy: Any, kind: str, module: nn.Module, path: str, body: nn.Module, trainer: Any) -> List[float]:
