@@ -296,7 +296,7 @@ class Checkpoints:
         pipeline (see :meth:`SplitModel.show_whole`).
 
         Returns:
-            Why the orders could not be learned (``build`` raised: ``fused=True`` refuses meta tensors, say), or
+            Why the orders could not be learned (``build`` raised: an optimizer that refuses meta tensors, say), or
             None.
         """
         self.whole_orders = None
