@@ -167,20 +167,22 @@ class CallChannel:
             self._records.pop(oldest, None)
 
     def note_assigned(self, index: int, training: bool, paths: Set[str]) -> None:
-        """Tell every process which plain attributes block ``index``'s forward sets in that mode (see
-        :meth:`PipelinedLayerList.sets_as_it_runs`)."""
-        self._assigned[index, training] = frozenset(paths)
+        """Note the plain attributes a call of block ``index`` in that mode set, and tell every process when that is
+        the first note or adds to it (see :meth:`PipelinedLayerList.sets_as_it_runs`)."""
+        known = self._assigned.get((index, training))
+        if known is not None and paths <= known:
+            return
+        self._assigned[index, training] = merged = frozenset(paths) | (known or frozenset())
         if self.store is not None:
-            self.store.set(f"assigned/{index}/{int(training)}", pickle.dumps(sorted(paths)))
+            self.store.set(_assigned_key(index, training), pickle.dumps(sorted(merged)))
 
     def assigned_of(self, index: int, training: bool) -> Optional[frozenset]:
         """The attributes block ``index``'s forward sets in that mode, as the process running it noted them; None
         while unknown (the block has not run so yet: the stages before the last run their blocks' first calls before
         the last stage runs the step on their output)."""
-        key = (index, training)
-        if key not in self._assigned and self.store is not None and \
-                self.store.check([f"assigned/{index}/{int(training)}"]):
-            self._assigned[key] = frozenset(pickle.loads(self.store.get(f"assigned/{index}/{int(training)}")))
+        key, name = (index, training), _assigned_key(index, training)
+        if key not in self._assigned and self.store is not None and self.store.check([name]):
+            self._assigned[key] = frozenset(pickle.loads(self.store.get(name)))
         return self._assigned.get(key)
 
     def lookup(self, key: int) -> Structure:
@@ -197,6 +199,10 @@ class CallChannel:
             return self._by_key[key]
         spec, _, slots = self._by_key[key]
         return spec, pickle.loads(record)[1], slots
+
+
+def _assigned_key(index: int, training: bool) -> str:
+    return f"assigned/{index}/{int(training)}"
 
 
 def _frozen(value: Any) -> bool:
@@ -370,8 +376,6 @@ class PipelinedLayerList(StandIn, nn.Module):
         self._output: Optional[torch.Tensor] = None  # the stage's output, in the first pass
         self._learning = False  # this pass is the first: the stage's blocks run as they are called
         self._first_hook = 0  # the id torch gives the first hook registered after the step began
-        # per block of this process and mode: the plain attributes its forward set in its first calls (sets_as_it_runs)
-        self._assigned: Dict[Tuple[int, bool], Set[str]] = {}
         self._calls_watched = [[0, 0] for _ in blocks]  # per block: calls noted in eval mode, in training mode
         # not registered: the blocks' names stay the list's own
         self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
@@ -575,22 +579,15 @@ class PipelinedLayerList(StandIn, nn.Module):
             return _call_block(block, index, hidden, call)
         watched[block.training] += 1
         out, paths = _assigned_by(lambda: _call_block(block, index, hidden, call), block)
-        key = (index, block.training)
-        known = self._assigned.get(key)
-        if known is None or not paths <= known:  # told at the first call (the others' reads wait for it), and as it grows
-            self._assigned[key] = (known or set()) | paths
-            self.channel.note_assigned(index, block.training, self._assigned[key])
+        self.channel.note_assigned(index, block.training, paths)  # the others' reads wait for the first call's note
         return out
 
     def sets_as_it_runs(self, index: int, path: str) -> bool:
         """Whether block ``index``'s forward sets its plain attribute ``path``: noted from its first calls by the
-        process that runs it (this one, or through the call channel; unknown, so False, before it ran). The loop
-        reading such an attribute of a block another stage runs gets the block's initial value (an auxiliary loss's
-        None), and where this process runs it, a value the step does not order against its run."""
-        key = (index, self.blocks[index].training)
-        if key in self._assigned:
-            return path in self._assigned[key]
-        return path in (self.channel.assigned_of(*key) or ())
+        process that runs it (this one, or another through the call channel; unknown, so False, before it ran). The
+        loop reading such an attribute of a block another stage runs gets the block's initial value (an auxiliary
+        loss's None), and where this process runs it, a value the step does not order against its run."""
+        return path in (self.channel.assigned_of(index, self.blocks[index].training) or ())
 
     def _run_message_blocks(self, key: int, tensors: Sequence[torch.Tensor], hidden: torch.Tensor, start: int,
                             stop: int) -> Any:

@@ -118,7 +118,7 @@ def _materialize(strategy: Any, module: nn.Module, path: str, body: nn.Module, b
     runs_outside = strategy.stage_index in (ranks[0], ranks[-1])
 
     def include(name: str) -> bool:
-        if name == path or name.startswith(path + "."):
+        if _in_body(name, path):
             return any(name == n or name.startswith(n + ".") for n in local)
         return runs_outside
 
@@ -128,8 +128,12 @@ def _materialize(strategy: Any, module: nn.Module, path: str, body: nn.Module, b
 def _materialize_outside(module: nn.Module, path: str) -> None:
     """The modules outside the body, on the CPU, as :func:`_materialize` gives them (the same seed, global rank 0's
     ``torch.initial_seed()``): that later call leaves them as they are, having no meta tensors left."""
-    materialize(module, "cpu", seed=torch.initial_seed() % (1 << 63),
-                include=lambda name: not (name == path or name.startswith(path + ".")))
+    materialize(module, "cpu", seed=torch.initial_seed() % (1 << 63), include=lambda name: not _in_body(name, path))
+
+
+def _in_body(name: str, path: str) -> bool:
+    """Whether the module named ``name`` is the body at ``path`` or inside it."""
+    return name == path or name.startswith(path + ".")
 
 
 def _measure(strategy: Any, kind: str, module: nn.Module, path: str, body: nn.Module, trainer: Any) -> List[float]:

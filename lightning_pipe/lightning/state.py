@@ -292,25 +292,27 @@ class Checkpoints:
 
         Each stage's optimizers hold its own parameters only, so the order of a group's parameters on different
         stages is the user's code's alone (``Adam(reversed(list(self.parameters())))``): the checkpoint's layout
-        (:func:`full_layout`) takes it from here. The optimizers built are dropped. A collective over the
-        pipeline (see :meth:`SplitModel.show_whole`).
+        (:func:`full_layout`) takes it from here, where every stage learned the same orders (its code may differ per
+        rank). The optimizers built are dropped. A collective over the pipeline (see :meth:`SplitModel.show_whole`).
 
         Returns:
-            Why the orders could not be learned (``build`` raised: an optimizer that refuses meta tensors, say), or
-            None.
+            Why the orders could not be learned here (``build`` raised: an optimizer that refuses meta tensors, say),
+            or None.
         """
-        self.whole_orders = None
+        orders, failed = None, None
         self.split.show_whole(self.pp_group)
         try:
             paths = parameter_names(self.module)  # where each parameter object sits in the whole model
-            optimizers = build()
+            orders = [[_named_once(group["params"], paths, self.split.canonical)
+                       for group in getattr(o, "_optimizer", o).param_groups] for o in build()]
         except Exception as error:  # noqa: BLE001 - the real build that follows raises what concerns the user
-            return f"{type(error).__name__}: {error}"
+            failed = f"{type(error).__name__}: {error}"
         finally:
             self.split.install(whole=False)
-        self.whole_orders = [[_named_once(group["params"], paths, self.split.canonical)
-                              for group in getattr(o, "_optimizer", o).param_groups] for o in optimizers]
-        return None
+        per_stage: List[Any] = [None] * self.num_stages
+        dist.all_gather_object(per_stage, orders, group=self.pp_group)
+        self.whole_orders = per_stage[0] if all(o == per_stage[0] for o in per_stage) else None
+        return failed
 
     def record_layouts(self, optimizers: Sequence[Optimizer]) -> None:
         """Each optimizer's param groups over all stages, by canonical name (a collective)."""
@@ -320,10 +322,8 @@ class Checkpoints:
             whole = self.whole_orders[index] if self.whole_orders is not None and index < len(self.whole_orders) \
                 else None
             per_stage: List[Any] = [None] * self.num_stages
-            dist.all_gather_object(per_stage, (group_names(optimizer, names), whole), group=self.pp_group)
-            # the stages' whole-model lists, where every stage learned the same one (its code may differ per rank)
-            agreed = per_stage[0][1] if all(w == per_stage[0][1] for _, w in per_stage) else None
-            self.layouts.append(full_layout([own for own, _ in per_stage], self.split.parameter_order, agreed))
+            dist.all_gather_object(per_stage, group_names(optimizer, names), group=self.pp_group)
+            self.layouts.append(full_layout(per_stage, self.split.parameter_order, whole))
 
     def _gather_to_zero(self, contribution: Any) -> Optional[list]:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
