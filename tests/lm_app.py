@@ -300,6 +300,27 @@ class GPT2Style(LMBase):
         return loss
 
 
+class TorchEncoder(LMBase):
+    """torch's own ``nn.TransformerEncoder`` (its layers looped in torch's forward), causal, with a padding mask.
+    ``enable_nested_tensor=False``: with a padding mask in evaluation its fast path would make the hidden state a
+    nested tensor, refused under PipeStrategy (see tests/test_body.py)."""
+
+    def __init__(self, n_layer: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, 2 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, n_layer, norm=nn.LayerNorm(WIDTH), enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
+        hidden = self.encoder(self.embed(tokens), mask=causal, src_key_padding_mask=tokens == PAD, is_causal=True)
+        loss, count = self._loss(self.head(hidden), labels)
+        self.log("train_loss", loss)
+        return {"loss": loss, "num_items": count}
+
+
 class TiedSequential(LMBase):
     """Sequential(embedding, blocks..., head) with head.weight = embedding.weight inside the body."""
 
@@ -808,7 +829,7 @@ CASES = {
     "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"),
-    "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
+    "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "torch_encoder": (TorchEncoder, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "tied_once": (TiedSavedOnce, "tokens"), "penalty": (GradientPenalty, "regression"),
     "warmup_in_step": (WarmupInStep, "regression"), "other_stages_weight": (OtherStagesWeight, "regression"),

@@ -750,3 +750,16 @@ def test_lightnings_finetuning_callback_takes_a_layer_list_apart_and_unfreezes_e
     layers.begin_step("replace", (torch.randn(3, 4),))
     with pytest.raises(BodyCallError, match="unpacked or indexed block 1"):
         attn, ff = layers[1]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_hidden_state_from_torchs_transformer_encoder_is_refused_with_the_fix():
+    """Regression (review HH): nn.TransformerEncoder's evaluation fast path (on by default) makes the hidden state a
+    nested tensor when given a padding mask; the first stage failed on it with an error blaming released weights."""
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 4).eval()
+    encoder.layers = PipelinedLayerList(list(encoder.layers), [(0, 2)], (0,), 2, CallChannel(None))
+    encoder.layers.begin_step("stop")
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[:, 3:] = True
+    with torch.no_grad(), pytest.raises(BodyCallError, match="nested tensor .* `enable_nested_tensor=False`"):
+        encoder(torch.randn(2, 5, 8), src_key_padding_mask=padding)

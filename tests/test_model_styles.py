@@ -61,6 +61,7 @@ def assert_same_training(got, want, rtol=None, atol=None, flips=None):
     ("world4", "llama_p4", "llama"),  # ZB-H1, 4 stages, checkpoint="always"
     ("world2", "gpt2_p2", "gpt2"),  # ZB-H1
     ("world2", "gpt2_zbh2", "gpt2"),  # ZB-H2: 3 microbatches in flight per process, head tied to the embedding
+    ("world2", "torch_encoder_zbv", "torch_encoder"),  # torch's nn.TransformerEncoder, its loop in torch's forward
     ("world4", "gpt2_p4", "gpt2"),  # GPipe
     ("world3", "albert_p3", "albert"),  # ZB-H1, one block on every stage, clipped by the global norm
     ("world3", "tied_seq_p3", "tied_seq"),  # nn.Sequential body, tie from its first to its last stage
