@@ -311,6 +311,25 @@ def test_no_warning_without_a_change_or_with_one_microbatch():
     assert watch.after(snapshot, num_microbatches=1) == [] and not watch.done
 
 
+@pytest.mark.parametrize("checkpoint, warned", [("always", True), ("except_last", False), ("never", False)])
+def test_one_microbatch_warns_where_checkpointing_recomputes_the_forward_that_changes_a_buffer(checkpoint, warned):
+    """Regression (review JJ): spectral_norm under checkpoint="always" with one microbatch updated its power-iteration
+    vectors twice a step, the gradients coming from the recomputed forward, without the warning (except_last does
+    not recompute a step's only microbatch)."""
+    model = _watched_model()
+    watch = BufferWatch(model, checkpoint=checkpoint)
+    snapshot = watch.before()
+    model.body(torch.randn(4, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        changed = watch.after(snapshot, num_microbatches=1)
+    assert changed == (["body.1.n"] if warned else [])
+    assert [str(w.message) for w in caught if "recomputes the forward" in str(w.message)] == (
+        [str(caught[0].message)] if warned else [])
+    if warned:
+        assert "checkpoint='always'" in str(caught[0].message) and "twice per step" in str(caught[0].message)
+
+
 # -- against DDP (in the shared launches) ---------------------------------------------------------
 @dataclasses.dataclass
 class _Batch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -763,3 +764,25 @@ def test_a_nested_hidden_state_from_torchs_transformer_encoder_is_refused_with_t
     padding[:, 3:] = True
     with torch.no_grad(), pytest.raises(BodyCallError, match="nested tensor .* `enable_nested_tensor=False`"):
         encoder(torch.randn(2, 5, 8), src_key_padding_mask=padding)
+
+
+def test_hooks_on_the_bodys_layers_get_one_warning_and_torchs_own_none():
+    """Regression (review JJ): a forward hook on a first-stage layer recording activation statistics for the step
+    logged its initial value on the last stage at every step, silently; hooks are now named in a warning at each
+    loop's start (once per hook), except torch's own (legacy weight_norm, pruning masks), which change values only."""
+    stats = {}
+    blocks = [Block() for _ in range(4)]
+    torch.nn.utils.weight_norm(blocks[0].linear)  # a forward pre-hook of torch's
+    torch.nn.utils.prune.l1_unstructured(blocks[1].linear, "weight", amount=0.5)  # so is a pruning mask
+    blocks[0].register_forward_hook(lambda module, args, out: stats.update(first=out.abs().mean()))
+    layers, _ = stand_in(2, 4, blocks, stage_index=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert layers.warn_layer_hooks() == ["forward hook `test_hooks_on_the_bodys_layers_get_one_warning_and_torchs_"
+                                             "own_none.<locals>.<lambda>` on layer 0"]
+        assert layers.warn_layer_hooks() == []  # once per hook
+        blocks[3].linear.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+        assert layers.warn_layer_hooks() == [
+            "backward hook `test_hooks_on_the_bodys_layers_get_one_warning_and_torchs_own_none.<locals>.<lambda>` on "
+            "layer 3 (its `linear`)"]
+    assert len(caught) == 2 and "records them only on that process" in str(caught[0].message)

@@ -30,6 +30,7 @@ runs each stage through a chunk (:meth:`StandIn.chunk`) that holds only that sta
 from __future__ import annotations
 
 import operator
+import warnings
 from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
@@ -43,6 +44,16 @@ from lightning_pipe.lightning.stale import Stale
 from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
 BODY_KINDS = (nn.Sequential, nn.ModuleList)
+
+
+# modules whose hooks on the body's layers are known to change values only (weight_norm, spectral_norm, pruning)
+_LIBRARIES = ("torch.", "lightning.", "lightning_fabric.", "lightning_pipe.")
+
+
+def _hook_origin(hook: object) -> str:
+    """The module that defined ``hook`` (a function, a bound method, a ``functools.partial``, a callable object)."""
+    function = getattr(getattr(hook, "func", hook), "__func__", getattr(hook, "func", hook))
+    return getattr(function, "__module__", None) or type(function).__module__
 
 
 def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Module]:
@@ -68,19 +79,28 @@ def body_paths(module: nn.Module, body: nn.Module) -> List[str]:
 
 
 def _refuse_compiled(module: nn.Module, path: str) -> None:
-    """A body compiled whole (or a LightningModule given to ``fit`` compiled, whose forward then calls it) runs
-    torch.compile's graph of every layer, which no stage holds: refused, with the per-block compile that works."""
-    parent_path, _, name = path.rpartition(".")
-    parent = module.get_submodule(parent_path) if parent_path else module
-    compiled = name == "_orig_mod" and type(parent).__name__ == "OptimizedModule"  # torch._dynamo's, not imported
-    if compiled or getattr(module, "_compiler_ctx", None):
-        where = f"`self.{parent_path}` is torch.compile'd whole" if compiled else \
-            f"{type(module).__name__} was given to the Trainer torch.compile'd whole"
+    """A body compiled whole, or a module holding it compiled (``torch.compile(net)``, ``net.compile()`` in place,
+    a LightningModule given to ``fit`` compiled, whose forward then calls it), runs torch.compile's graph of every
+    layer, which no stage holds: refused, with the per-block compile that works. (The body's own in-place
+    ``compile()`` is not: its stand-in, which the step calls, is not compiled.)"""
+    parts = path.split(".")
+    where = None
+    if getattr(module, "_compiler_ctx", None):
+        where = f"{type(module).__name__} was given to the Trainer torch.compile'd whole"
+    for k in range(len(parts)):  # the LightningModule and every module between it and the body
+        held = ".".join(parts[:k])
+        ancestor = module.get_submodule(held) if held else module
+        name = f"`self.{held}`" if held else type(module).__name__
+        if where is None and type(ancestor).__name__ == "OptimizedModule":  # torch._dynamo's, not imported
+            where = f"{name} is torch.compile'd whole"
+        elif where is None and getattr(ancestor, "_compiled_call_impl", None) is not None:
+            where = f"{name} is compiled in place (`.compile()`)"
+    if where is not None:
         raise ConfigurationError(
-            f"{where}: its compiled graph spans every layer of the body, while under PipeStrategy each stage holds "
-            "only its own layers. Compile the blocks instead, each on its own (`for block in self.blocks: "
-            "block.compile()`, or `nn.Sequential(*[torch.compile(b) for b in blocks])`), and pass the module "
-            "to the Trainer uncompiled")
+            f"{where}: its compiled graph spans every layer of the body `self.{path}`, while under PipeStrategy each "
+            "stage holds only its own layers. Compile the blocks instead, each on its own (`for block in "
+            "self.blocks: block.compile()`, or `nn.Sequential(*[torch.compile(b) for b in blocks])`), and pass the "
+            "module to the Trainer uncompiled")
 
 
 def _locate(module: nn.Module, body: Optional[str]) -> Tuple[str, nn.Module]:
@@ -192,6 +212,37 @@ class StandIn:
             cached = self.__dict__["_mode_modules"] = (layers, [self, *dict.fromkeys(
                 m for layer in layers for m in layer.modules())])
         return [m.training for m in cached[1]]
+
+    def warn_layer_hooks(self) -> List[str]:
+        """Warn once per hook about forward and backward hooks put on the body's layers by other code than torch's,
+        Lightning's or ours (torch's own: ``weight_norm``, ``spectral_norm``, pruning masks); return what it warned
+        about. Each layer runs on the process holding its stage, one microbatch at a time and apart from the step,
+        so a hook changing values works as under DDP, while one recording values for the step records them only
+        there (the last stage's step never sees those of other stages' layers); nothing can tell the two apart."""
+        warned = self.__dict__.setdefault("_warned_hooks", set())
+        found = []
+        for index, layer in enumerate(self.every_layer()):
+            for name, module in layer.named_modules():
+                for kind, hooks in (("forward pre-hook", module._forward_pre_hooks),
+                                    ("forward hook", module._forward_hooks),
+                                    ("backward pre-hook", module._backward_pre_hooks),
+                                    ("backward hook", module._backward_hooks)):
+                    for key, hook in hooks.items():
+                        if (id(module), key) in warned or _hook_origin(hook).startswith(_LIBRARIES):
+                            continue
+                        warned.add((id(module), key))
+                        found.append(f"{kind} `{getattr(hook, '__qualname__', type(hook).__name__)}` on layer {index}"
+                                     + (f" (its `{name}`)" if name else ""))
+        if found:
+            warnings.warn(
+                f"PipeStrategy: the body's layers have hooks: {'; '.join(found)}. Each layer runs on the process "
+                "holding its stage, one microbatch at a time, apart from your step. A hook that changes values "
+                "(returns new inputs, outputs or gradients) works as under DDP; one that records values (activation "
+                "statistics into a dict your step, a callback or a log reads) records them only on that process, "
+                "once per microbatch, and the step (run on the last stage) never sees those of other stages' "
+                "layers. Compute such values from the body's output in the step instead."
+            )
+        return found
 
     def refuse_changed_modes(self, hook: str, when: str) -> None:
         """Refuse a step that switched the body's layers to another mode (``self.body.eval()``) since the run began:

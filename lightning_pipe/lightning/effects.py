@@ -222,20 +222,23 @@ def _stateful_buffers(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
 
 
 class BufferWatch:
-    """Warns once when the first training step with several microbatches changed submodules' buffers.
+    """Warns once when the first training step updated submodules' buffers more than once.
 
-    Call :meth:`before` before the pipeline runs the step and :meth:`after` once it has (on every
-    stage: the body's layers update their buffers in the pipeline's forward, which on a middle
-    stage runs no user code). Both do nothing after the first check.
+    A buffer a module's forward updates (a running count, an EMA, spectral_norm's power-iteration
+    vectors) is updated once per microbatch, and again for each microbatch whose forward activation
+    checkpointing recomputes in backward. Call :meth:`before` before the pipeline runs the step and
+    :meth:`after` once it has (on every stage: the body's layers update their buffers in the
+    pipeline's forward, which on a middle stage runs no user code). Both do nothing after the first
+    check.
 
     Args:
         module: the LightningModule (its body being this rank's stand-in).
-        checkpointing: whether activation checkpointing recomputes the forward in backward.
+        checkpoint: PipeStrategy's ``checkpoint`` mode.
     """
 
-    def __init__(self, module: nn.Module, checkpointing: bool = False) -> None:
+    def __init__(self, module: nn.Module, checkpoint: str = "never") -> None:
         self.module = module
-        self.checkpointing = checkpointing
+        self.checkpoint = checkpoint
         self.done = False
 
     def before(self) -> Optional[Dict[str, Tuple[int, int]]]:
@@ -244,22 +247,46 @@ class BufferWatch:
         return {name: (id(b), b._version) for name, b in _stateful_buffers(self.module)}
 
     def after(self, snapshot: Optional[Dict[str, Tuple[int, int]]], num_microbatches: int) -> List[str]:
-        """Warn about the buffers changed since ``snapshot``; return their names (empty when none or not checked)."""
-        if snapshot is None or num_microbatches < 2:
-            return []  # one microbatch: updated once per step, as without PipeStrategy
+        """Warn about the buffers changed since ``snapshot``; return their names (empty when none or not checked).
+
+        Example:
+            >>> body = nn.utils.spectral_norm(nn.Linear(2, 2))
+            >>> watch = BufferWatch(nn.Sequential(body), checkpoint="always")
+            >>> snapshot = watch.before()
+            >>> _ = body(torch.ones(1, 2))
+            >>> with warnings.catch_warnings(record=True) as caught:
+            ...     warnings.simplefilter("always")
+            ...     watch.after(snapshot, num_microbatches=1)
+            ['0.weight_u', '0.weight_v']
+            >>> "recomputes" in str(caught[0].message)
+            True
+        """
+        recomputed = self.checkpoint == "always" or (self.checkpoint == "except_last" and num_microbatches > 1)
+        if snapshot is None or (num_microbatches < 2 and not recomputed):
+            return []  # one forward per step, as without PipeStrategy
         self.done = True
         changed = [name for name, b in _stateful_buffers(self.module)
                    if name in snapshot and snapshot[name] != (id(b), b._version)]
-        if changed:
-            again = " (and again when activation checkpointing recomputes the forward in backward)" \
-                if self.checkpointing else ""
+        if not changed:
+            return changed
+        names = f"buffer{'s' if len(changed) > 1 else ''} `{'`, `'.join(changed)}`"
+        if num_microbatches > 1:
+            again = " (and again when activation checkpointing recomputes the forward in backward)" if recomputed else ""
             warnings.warn(
-                f"PipeStrategy: the buffer{'s' if len(changed) > 1 else ''} `{'`, `'.join(changed)}` changed in the "
-                f"training step. A module's forward runs once per microbatch, so such a buffer (a running count, an "
-                f"EMA) is updated once per microbatch, {num_microbatches} times per step instead of once{again}: "
-                "inherent to microbatching. Account for it in the update (e.g. a momentum per microbatch), update the "
-                "buffer once per batch in on_train_batch_end, or use num_microbatches=1. (BatchNorm running statistics "
-                "are left out here: PipeStrategy(deferred_batch_norm=True) updates them once per batch.)",
+                f"PipeStrategy: the {names} changed in the training step. A module's forward runs once per "
+                f"microbatch, so such a buffer (a running count, an EMA) is updated once per microbatch, "
+                f"{num_microbatches} times per step instead of once{again}: inherent to microbatching. Account for it "
+                "in the update (e.g. a momentum per microbatch), update the buffer once per batch in "
+                "on_train_batch_end, or use num_microbatches=1. (BatchNorm running statistics are left out here: "
+                "PipeStrategy(deferred_batch_norm=True) updates them once per batch.)",
+            )
+        else:
+            warnings.warn(
+                f"PipeStrategy: the {names} changed in the training step, and checkpoint={self.checkpoint!r} "
+                "recomputes the forward in backward: such a buffer (a running count, an EMA, spectral_norm's "
+                "power-iteration vectors) is updated twice per step instead of once, and the gradients come from the "
+                "recomputed forward, which sees the updated value (as torch.utils.checkpoint does in one process). "
+                "Use checkpoint='never' for such a model, or update the buffer once per batch in on_train_batch_end.",
             )
         return changed
 

@@ -498,7 +498,7 @@ class PipeStrategy(DDPStrategy):
         layout = plan(self, module, trainer)
         self.split, self._costs, self._sharded = layout.split, layout.costs, layout.sharded
         self._effects = StepEffects(module, 1)
-        self._buffer_watch = BufferWatch(module, checkpointing=self.checkpoint != "never")
+        self._buffer_watch = BufferWatch(module, checkpoint=self.checkpoint)
         self._recorder = logs.LogRecorder(module, self.split.path)
         self._runner = StepRunner(module, self.split.stand_in, self.split.path, self._recorder, self._effects,
                                   self.checkpoint, self.loss_reduction)
@@ -773,8 +773,26 @@ class PipeStrategy(DDPStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("test_step", self.precision_plugin.test_step_context(), args)
 
+    def _warn_layer_hooks(self) -> None:
+        """At each loop's start, after the user's and the callbacks' ``on_*_start``: hooks on the body's layers."""
+        if self.pp_size > 1 and self.split is not None and self.split.installed and self.global_rank == 0:
+            self.split.stand_in.warn_layer_hooks()
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._warn_layer_hooks()
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._warn_layer_hooks()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._warn_layer_hooks()
+
     def on_predict_start(self) -> None:
         super().on_predict_start()
+        self._warn_layer_hooks()
         if self.pp_size > 1:  # one writer per pipeline: see hooks.route_prediction_writers
             self._routed_writers = hooks.route_prediction_writers(self.lightning_module.trainer.callbacks,
                                                                   self.stage_index == 0, self._writing)
