@@ -151,6 +151,41 @@ def report_job_error(message: str) -> None:
         _publish(dist.PrefixStore(JOB_PREFIX, _store()), message)
 
 
+_MEET_SECONDS = 5.0  # how long a failed rank waits for the others to fail too before its on_exception callbacks
+_MEETINGS = {"count": 0}
+
+
+def all_ranks_failed(world_size: int, rank: int, seconds: float = _MEET_SECONDS) -> bool:
+    """Whether every rank of the job reached this point (its ``on_exception``) within ``seconds`` of this one.
+
+    Callbacks' ``on_exception`` may run collectives (``OnExceptionCheckpoint`` gathers the model to save it): where
+    every rank failed together (a step error stops every stage) they all run them; where one rank failed alone, the
+    others are inside a step or in Lightning's per-batch broadcast, and the collectives would wait for good. Each
+    rank writes its arrival to the job's store and waits for the others'; a store that stops answering (its host,
+    global rank 0, is gone) counts as not all.
+
+    Example:
+        >>> all_ranks_failed(world_size=1, rank=0)
+        True
+    """
+    if world_size == 1 or not dist.is_initialized():
+        return True
+    _MEETINGS["count"] += 1
+    prefix = f"lightning_pipe/failed_together/{_MEETINGS['count']}/"
+    deadline = time.monotonic() + seconds
+    try:
+        store = _store()
+        store.set(prefix + str(rank), "1")
+        keys = [prefix + str(r) for r in range(world_size)]
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_STORE_EVERY)
+    except Exception:  # noqa: BLE001 (the store's host is gone: so is a rank)
+        return False
+    return True
+
+
 class _Slot:
     __slots__ = ("done", "error")
 

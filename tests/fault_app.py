@@ -3,7 +3,10 @@
 ``python tests/fault_app.py --fail-rank 3 --fail-epoch 1 --fail-batch 1 --fail-how raise <lightning_app args>``
 trains ``lightning_app.Regressor`` but makes global rank 3 raise ``RuntimeError("injected failure on
 global rank 3")`` (or, with ``--fail-how kill``, SIGKILL itself) at the start of training_step for
-that epoch and batch. Lightning's launcher re-executes this script, so every rank gets the flags.
+that epoch and batch (``--fail-in hook``: in its ``on_train_batch_end``, which fails that rank
+alone). ``--on-exception-checkpoint`` adds Lightning's ``OnExceptionCheckpoint`` (a collective in
+``on_exception``), writing into ``on_exception/`` beside the stamp file. Lightning's launcher
+re-executes this script, so every rank gets the flags.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lightning_app  # noqa: E402
+from lightning.pytorch.callbacks import OnExceptionCheckpoint  # noqa: E402
 
 
 def parse(argv=None):
@@ -24,21 +28,37 @@ def parse(argv=None):
     parser.add_argument("--fail-epoch", type=int, default=0)
     parser.add_argument("--fail-batch", type=int, default=1)
     parser.add_argument("--fail-how", choices=["raise", "kill"], default="raise")
+    parser.add_argument("--fail-in", choices=["step", "hook"], default="step")
+    parser.add_argument("--on-exception-checkpoint", action="store_true")
     return parser.parse_known_args(argv)
 
 
-FAULT = argparse.Namespace(fail_rank=-1, fail_epoch=0, fail_batch=0, fail_how="raise")  # set by parse()
+FAULT = argparse.Namespace(fail_rank=-1, fail_epoch=0, fail_batch=0, fail_how="raise", fail_in="step",
+                           on_exception_checkpoint=False)  # set by parse()
 
 
 class FaultyRegressor(lightning_app.Regressor):
-    def training_step(self, batch, batch_idx):
+    def _fail_here(self, batch_idx):
         if (self.global_rank, self.current_epoch, batch_idx) == (FAULT.fail_rank, FAULT.fail_epoch, FAULT.fail_batch):
             with open(os.environ["FAULT_STAMP"], "w") as stamp:  # when the failure happened (wall clock)
                 stamp.write(repr(time.time()))
             if FAULT.fail_how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on global rank {self.global_rank}")
+
+    def training_step(self, batch, batch_idx):
+        if FAULT.fail_in == "step":
+            self._fail_here(batch_idx)
         return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if FAULT.fail_in == "hook":
+            self._fail_here(batch_idx)
+
+    def configure_callbacks(self):
+        if not FAULT.on_exception_checkpoint:
+            return []
+        return [OnExceptionCheckpoint(os.path.join(os.path.dirname(os.environ["FAULT_STAMP"]), "on_exception"))]
 
 
 if __name__ == "__main__":

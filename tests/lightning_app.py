@@ -207,6 +207,8 @@ def fit_and_save(args) -> None:
     atexit.register(_record_exit, args.root)
     pl.seed_everything(0)
     model = Regressor(depth=args.depth) if args.model == "regressor" else SkipBatchNormRegressor()
+    if args.model_summary:  # the summary's forward of it (in and out sizes) failed on other stages' meta layers
+        model.example_input_array = torch.zeros(2, 4)
     checkpoint = ModelCheckpoint(
         dirpath=os.path.join(args.root, "ckpt"), monitor="val_loss", save_last=True, save_top_k=-1
     )
@@ -238,6 +240,7 @@ def fit_and_save(args) -> None:
             "tensorboard": _tensorboard_scalars(os.path.join(args.root, "tb", "version_0")),
             "predictions": torch.cat(predictions),
             "global_step": trainer.global_step,
+            "example_input_array": model.example_input_array,
         }, args.out)
 
 

@@ -311,6 +311,31 @@ def test_a_failure_in_replica_zero_mid_accumulation_ends_every_process(tmp_path_
     assert _seconds_after_the_failure(root, seconds) < ORPHAN_WAIT_S, (seconds, output[-4000:])
 
 
+@pytest.mark.parametrize("fail_in", ["hook", "step"])
+def test_on_exception_checkpoint_saves_where_every_rank_failed_and_never_waits_where_one_did(tmp_path_factory,
+                                                                                             fail_in):
+    """Regression (review II): with OnExceptionCheckpoint, rank 1 failing alone in on_train_batch_end hung for good:
+    its on_exception gathered the model for the checkpoint while rank 0 waited in Lightning's per-batch broadcast.
+    Now a rank failing alone skips the callbacks' on_exception and stops the job, with its own error. A step error
+    stops every stage, so all of them run on_exception and the checkpoint is written, loadable."""
+    code, seconds, survivors, output, root = _fail(
+        tmp_path_factory, f"on_exception_{fail_in}", "--fail-rank", 1, "--fail-epoch", 0, "--fail-batch", 1,
+        "--fail-in", fail_in, "--on-exception-checkpoint", "--strategy", "pipe", "--devices", 2, timeout=HANG_BOUND_S,
+    )
+    assert code != 0 and not survivors, (seconds, survivors, output[-4000:])
+    assert _seconds_after_the_failure(root, seconds) < ORPHAN_WAIT_S, (seconds, output[-4000:])
+    reasons = stop_reasons(output)
+    assert reasons[1].endswith("RuntimeError: injected failure on global rank 1"), reasons
+    saved = sorted(os.listdir(root / "on_exception")) if (root / "on_exception").exists() else []
+    if fail_in == "hook":
+        assert "failed while the other ranks went on" in output and saved == [], (saved, output[-4000:])
+        return
+    assert saved == ["on_exception.ckpt"], (saved, output[-4000:])
+    checkpoint = torch.load(root / "on_exception" / "on_exception.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 0 and "body.0.weight" in checkpoint["state_dict"]
+    assert not any(v.is_meta for v in checkpoint["state_dict"].values())
+
+
 def test_resume_after_a_failure_loses_nothing_checkpointed(tmp_path_factory, failed_in_second_epoch, pipe2x2):
     """The checkpoint of epoch 0, written before the failure in epoch 1, resumes to the uninterrupted result."""
     root = failed_in_second_epoch[4]

@@ -157,6 +157,8 @@ def test_checkpoint_loads_in_a_plain_process(two_processes):
     result = two_processes["pipe_ckpt"]
     # rank 0's model summary counts the whole model (embed 40 + body 432 + head 9), not stage 0's part
     assert re.search(r"481\s+Total params|Total params: 481", result["output"]), result["output"][-3000:]
+    # the module's example_input_array, hidden from the summary (its forward needs the whole model), is put back
+    assert result["example_input_array"].shape == (2, 4)
     checkpoint = torch.load(result["last_model_path"], weights_only=False)
     assert list(checkpoint["state_dict"]) == list(Regressor().state_dict())
     model = Regressor.load_from_checkpoint(result["last_model_path"])

@@ -337,3 +337,21 @@ def test_the_users_read_of_the_rank_after_the_body_on_the_last_stage_warns_once(
         warnings.simplefilter("error")
         loggers._warned["rank"] = False
         assert not strategy.is_global_zero  # not watched: outside the last stage's step
+
+
+def test_throughput_monitor_multiplies_its_global_rates_by_the_replicas_not_the_stages():
+    """Regression (review II): under 2 stages x 1 replica ThroughputMonitor logged train/samples_per_sec at twice
+    the samples any process saw (trainer.world_size counts every stage; each stage sees the same samples)."""
+    from lightning.fabric.utilities.throughput import Throughput
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    from lightning_pipe.lightning.hooks import count_replicas_in_throughput
+
+    monitor = ThroughputMonitor(batch_size_fn=len)
+    monitor._throughputs = {"train": Throughput(world_size=4, window_size=2), "validate": Throughput(world_size=4)}
+    count_replicas_in_throughput([monitor], dp_size=2)  # 2 stages x 2 replicas
+    assert [t.world_size for t in monitor._throughputs.values()] == [2, 2]
+    for t, samples in zip(range(1, 4), (8, 16, 24)):
+        monitor._throughputs["train"].update(time=t, batches=t, samples=samples)
+    metrics = monitor._throughputs["train"].compute()
+    assert metrics["samples_per_sec"] == 2 * metrics["device/samples_per_sec"] == 16

@@ -5,6 +5,8 @@
 - :class:`StepState`: before epoch-end hooks, the attributes the last stage's steps built are
   handed to the other stages, so ``on_validation_epoch_end`` computes the same on every rank; before
   ``on_train_epoch_end``, each stage's copies of what another stage trains are refreshed too.
+- :class:`FailTogether`: before the callbacks' ``on_exception`` (which may save a checkpoint, a
+  collective), a rank that failed alone stops the job instead of waiting for ranks still in a step.
 - :func:`combine_stage_logs`: what ``on_before_optimizer_step`` and ``on_after_backward`` hooks
   log on each stage is gathered over the pipeline and combined per name (Lightning's
   ``grad_norm`` made whole-model), then logged on every rank.
@@ -25,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad as _clip_grad
-from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import BaseFinetuning, BasePredictionWriter
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -45,8 +47,43 @@ class BodySwap(Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         split = self.strategy.split
         split.install(whole=self.whole)
+        if self.whole and self.strategy.pp_size > 1:
+            # other stages' layers are meta copies here: the summary's forward of `example_input_array` (its in and
+            # out sizes) would fail on them, so it shows none
+            self.strategy.hidden_example = (pl_module._example_input_array,)
+            pl_module._example_input_array = None
         if not self.whole:  # the last callback: both swaps are done for this fit
+            hidden = self.strategy.hidden_example
+            if hidden is not None:
+                pl_module._example_input_array, self.strategy.hidden_example = hidden[0], None
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, BodySwap)]
+
+
+class FailTogether(Callback):
+    """First of the callbacks' ``on_exception``: stop the job at once where this rank failed alone (see
+    :func:`~lightning_pipe.faults.all_ranks_failed`), before a later callback's collective waits for good."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        datamodule = trainer.datamodule
+        if any(overrides(c, "on_exception") for c in trainer.callbacks if c is not self) or (
+                datamodule is not None and type(datamodule).on_exception is not LightningDataModule.on_exception):
+            self.strategy.stop_if_failed_alone(exception)
+
+
+def count_replicas_in_throughput(callbacks: List[Callback], dp_size: int) -> None:
+    """Lightning's ``ThroughputMonitor`` makes its global rates (``train/samples_per_sec``) the device's times
+    ``trainer.world_size``, which counts every stage; each stage of a pipeline sees the same samples, so only the
+    replicas multiply them. Its ``Throughput`` objects (private, made in the callback's ``setup``, which runs before
+    the strategy's) take the number of replicas instead."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    for callback in callbacks:
+        if isinstance(callback, ThroughputMonitor):
+            for throughput in getattr(callback, "_throughputs", {}).values():
+                throughput.world_size = dp_size
 
 
 class StepState(Callback):

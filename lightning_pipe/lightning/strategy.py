@@ -45,7 +45,9 @@ from lightning_pipe import gradients
 from lightning_pipe.batchnorm import commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import BatchMismatchError, ConfigurationError
-from lightning_pipe.faults import end_launched_ranks, end_process_groups_at_exit, note_failure, report_job_error
+from lightning_pipe.faults import (
+    all_ranks_failed, end_launched_ranks, end_process_groups_at_exit, note_failure, report_job_error,
+)
 from lightning_pipe.init import building_on_meta
 from lightning_pipe.lightning import averaging, batches, hooks, loggers, logs, profile, release, scaling, tracing
 from lightning_pipe.lightning.body import present_whole_body
@@ -219,6 +221,7 @@ class PipeStrategy(DDPStrategy):
         self._train_ended = True  # False from the setup of a fit to its on_train_end
         self._showing_whole = False  # the checkpoint hooks are being shown the whole body (lightning_module_state_dict)
         self._routed_writers: List[Any] = []  # the prediction writers routed to the first stage (predict)
+        self.hidden_example: Optional[tuple] = None  # example_input_array while the summary sees the whole body
         self._among_writers = False  # a prediction writer runs: barrier and broadcast over the first stage's replicas
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
@@ -364,6 +367,7 @@ class PipeStrategy(DDPStrategy):
         if fitting:
             self._refuse_unsupported_callbacks(trainer)
             self._train_ended = False
+        hooks.count_replicas_in_throughput(trainer.callbacks, self.dp_size)
         scaling.share_loss_scaler(self.precision_plugin, self.root_device)
         if self.split is None or self.split.module is not module:
             self._split_module(module, trainer)
@@ -399,6 +403,8 @@ class PipeStrategy(DDPStrategy):
             metric.process_group = self.dp_group
         if not any(isinstance(c, hooks.StepState) for c in trainer.callbacks):
             trainer.callbacks.insert(0, hooks.StepState(self))
+        if not any(isinstance(c, hooks.FailTogether) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, hooks.FailTogether(self))
         if self._checkpoints is None or self._checkpoints.split is not self.split:
             self._checkpoints = Checkpoints(self.split, module, self.pp_group, self.pp_size, self.dp_rank)
         if fitting:
@@ -994,6 +1000,18 @@ class PipeStrategy(DDPStrategy):
             where += f" (stage {self.stage_index}, replica {self.dp_rank})"
         report_job_error(f"{where} failed: {type(exception).__name__}: {exception}")
         end_launched_ranks(self.launcher)
+
+    def stop_if_failed_alone(self, exception: BaseException) -> None:
+        """Before the callbacks' ``on_exception``: where the other ranks did not fail too (they are inside a step, or
+        in Lightning's per-batch broadcast), a callback's collective (``OnExceptionCheckpoint`` gathering the model)
+        would wait for them for good. Stop the job instead, skipping those callbacks, with the user's exception."""
+        if all_ranks_failed(self.world_size, self.global_rank):
+            return
+        _log.error(rank_prefixed_message(
+            "failed while the other ranks went on: the callbacks' on_exception (OnExceptionCheckpoint, "
+            "ModelCheckpoint(save_on_exception=True)) are skipped, as saving needs every rank", self.global_rank))
+        self.on_exception(exception)
+        raise exception
 
     def on_train_end(self) -> None:
         """Put the whole trained model back into the LightningModule (a collective, on every rank)."""
