@@ -29,7 +29,8 @@ APPS = ("test_outside_body_usage", "test_user_hooks_and_callbacks", "test_batche
 LM_LAUNCHES = {
     "reference": [  # Lightning's DDP on one device
         _spec("llama", "llama", "ddp", 1), _spec("gpt2", "gpt2", "ddp", 1),
-        _spec("torch_encoder", "torch_encoder", "ddp", 1), _spec("albert", "albert", "ddp", 1, clip=0.5),
+        _spec("torch_encoder", "torch_encoder", "ddp", 1), _spec("body_hooks", "body_hooks", "ddp", 1),
+        _spec("albert", "albert", "ddp", 1, clip=0.5),
         _spec("tied_seq", "tied_seq", "ddp", 1, clip=0.5), _spec("sum", "sum", "ddp", 1),
         _spec("finetuned", "finetuned", "ddp", 1, epochs=2),
         _spec("denoise", "denoise", "ddp", 1, epochs=NOISE_EPOCHS), _spec("frozen", "frozen", "ddp", 1),
@@ -44,6 +45,7 @@ LM_LAUNCHES = {
         _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe", trace=[2, 2]), _spec("gpt2_p2", "gpt2", "pipe", 2, schedule="zb_h1"),
         _spec("gpt2_zbh2", "gpt2", "pipe", 2, schedule="zb_h2"),
         _spec("torch_encoder_zbv", "torch_encoder", "pipe", 2, schedule="zbv"),
+        _spec("body_hooks_p2", "body_hooks", "pipe", 2), _spec("body_hooks_zbv", "body_hooks", "pipe", 2, schedule="zbv"),
         _spec("sum_p2", "sum", "pipe", 2, schedule="gpipe"), _spec("finetuned_p2", "finetuned", "pipe", 2, epochs=2),
         _spec("denoise_p2", "denoise", "pipe", 2, schedule="gpipe", epochs=NOISE_EPOCHS),
         _spec("diffusion_p2", "diffusion", "pipe", 2), _spec("mixup_p2", "mixup", "pipe", 2, schedule="gpipe"),

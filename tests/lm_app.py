@@ -364,6 +364,29 @@ class SumRegression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.002)
 
 
+class BodyHooks(pl.LightningModule):
+    """Hooks on the ``nn.Sequential`` body itself: a pre-hook scaling its input, a forward hook shifting its output,
+    one recording the output for the loss (as feature extraction does). Under PipeStrategy the body is a stand-in
+    on each stage, which dropped them, silently, before 2026-12-03."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(4, 4), nn.Tanh())], nn.Linear(4, 1))
+        self.seen = {}
+        self.body.register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+        self.body.register_forward_hook(lambda module, args, out: out + 0.1)
+        self.body.register_forward_hook(lambda module, args, out: self.seen.update(out=out))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.body(x), y) + 0.1 * self.seen.pop("out").pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
 class GradientPenalty(SumRegression):
     """A WGAN-GP-style penalty: the gradient of the body's output with respect to its input (BodyCallError)."""
 
@@ -829,7 +852,8 @@ CASES = {
     "alternating": (lambda: LlamaStyle(alternating=True), "tokens"),
     "float32_norm": (lambda: LlamaStyle(float32_norm=True), "tokens"),
     "mean_ce": (MeanTokenLlama, "tokens"), "mean_ce_derived": (lambda: MeanTokenLlama(derived=True), "tokens"),
-    "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "torch_encoder": (TorchEncoder, "tokens"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
+    "summed_ce": (lambda: MeanTokenLlama(reduction="sum"), "tokens"), "no_grad_blocks": (NoGradBlocks, "tokens"), "fp16": (Float16Overflow, "tokens"), "gpt2": (GPT2Style, "tokens"), "torch_encoder": (TorchEncoder, "tokens"),
+    "body_hooks": (BodyHooks, "regression"), "albert": (lambda: GPT2Style(shared=True), "tokens"),
     "tied_seq": (TiedSequential, "tokens"), "sum": (SumRegression, "regression"), "experts": (Experts, "regression"), "experts_before": (lambda: Experts(before=True), "regression"), "denoise": (Denoise, "noise"),
     "tied_once": (TiedSavedOnce, "tokens"), "penalty": (GradientPenalty, "regression"),
     "warmup_in_step": (WarmupInStep, "regression"), "other_stages_weight": (OtherStagesWeight, "regression"),

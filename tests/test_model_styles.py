@@ -62,6 +62,8 @@ def assert_same_training(got, want, rtol=None, atol=None, flips=None):
     ("world2", "gpt2_p2", "gpt2"),  # ZB-H1
     ("world2", "gpt2_zbh2", "gpt2"),  # ZB-H2: 3 microbatches in flight per process, head tied to the embedding
     ("world2", "torch_encoder_zbv", "torch_encoder"),  # torch's nn.TransformerEncoder, its loop in torch's forward
+    ("world2", "body_hooks_p2", "body_hooks"),  # forward hooks on the nn.Sequential body itself
+    ("world2", "body_hooks_zbv", "body_hooks"),  # the same where process 0 runs the step up to the body and whole
     ("world4", "gpt2_p4", "gpt2"),  # GPipe
     ("world3", "albert_p3", "albert"),  # ZB-H1, one block on every stage, clipped by the global norm
     ("world3", "tied_seq_p3", "tied_seq"),  # nn.Sequential body, tie from its first to its last stage

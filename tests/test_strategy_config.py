@@ -82,6 +82,17 @@ def test_a_body_compiled_whole_is_refused_and_compiled_blocks_are_taken():
     assert find_body(model)[0] == "blocks"
 
 
+def test_a_backward_hook_on_the_body_itself_is_refused_and_forward_hooks_are_taken():
+    """Forward hooks on the body run on its stand-in (tests/lm_app.py BodyHooks, against DDP); a backward hook needs
+    the gradients of the whole body's input and output in one process, which none holds."""
+    model = OneBody()
+    model.blocks.register_forward_hook(lambda module, args, out: out)
+    assert find_body(model)[0] == "blocks"
+    model.blocks.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    with pytest.raises(ConfigurationError, match=r"`self\.blocks`, the body, has a backward hook of its own"):
+        find_body(model)
+
+
 class LayerListModel(pl.LightningModule):
     """Blocks in a ModuleList (the body), plus a small nn.Sequential head: the list holds most parameters."""
 

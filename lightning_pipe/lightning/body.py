@@ -69,7 +69,37 @@ def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Mo
     """
     path, found = _locate(module, body)
     _refuse_compiled(module, path)
+    if isinstance(found, nn.Sequential) and (found._backward_hooks or found._backward_pre_hooks):
+        raise ConfigurationError(
+            f"`self.{path}`, the body, has a backward hook of its own (`register_full_backward_hook` on the body "
+            "itself): under PipeStrategy no process holds the whole body, so no gradient of its input or output "
+            "exists in one place for it. Put the hook on the module before the body (its output's gradient is the "
+            "body input's) or after it, or on the body's layers")
     return body_paths(module, found)[0], found
+
+
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                  "_forward_hooks_always_called")
+
+
+def share_forward_hooks(body: nn.Module, stand_in: nn.Module) -> None:
+    """The stand-in runs the forward hooks put on the body itself (``self.body.register_forward_hook(...)``, reading
+    the backbone's output): the same dicts, so a hook removed from or added to either is so for both. A pre-hook then
+    runs where the step calls the body (on the first stage its result is the pipeline's input), a forward hook where
+    the body's output reaches the step (the last stage), as in one process.
+
+    Example:
+        >>> body, stand_in = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Identity())
+        >>> handle = body.register_forward_hook(lambda m, args, out: out * 0)
+        >>> share_forward_hooks(body, stand_in)
+        >>> stand_in(torch.ones(1, 2)).sum().item()
+        0.0
+        >>> handle.remove()
+        >>> stand_in(torch.ones(1, 2)).sum().item()
+        2.0
+    """
+    for name in _FORWARD_HOOKS:
+        stand_in.__dict__[name] = body.__dict__[name]
 
 
 def body_paths(module: nn.Module, body: nn.Module) -> List[str]:

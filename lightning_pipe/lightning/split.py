@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_pipe.errors import ConfigurationError, PartitionError
 from lightning_pipe.lightning import release
-from lightning_pipe.lightning.body import PipelinedSequential, StandIn, body_paths, set_submodule
+from lightning_pipe.lightning.body import PipelinedSequential, StandIn, body_paths, set_submodule, share_forward_hooks
 from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
 from lightning_pipe.partition import SequentialModel, balance_by_parameters, check_balance, split_points
 from lightning_pipe.ties import Tie, aliases, find_ties
@@ -104,6 +104,7 @@ class SplitModel:
         self.trained_elsewhere: Set[int] = set()  # ids of parameters kept here that only other ranks train
         self.module = module
         self.stand_in = self._stand_in(channel)
+        share_forward_hooks(body, self.stand_in)
         self.install(whole=False)
         self.released_bytes = self._release_at_setup()
 
