@@ -296,10 +296,11 @@ def _save_statistics(bn: nn.Module, args: tuple) -> None:
 def _restore_statistics(bn: nn.Module, args: tuple, output: object) -> None:
     saved = bn.__dict__.pop("_pipe_saved", None)
     if saved is not None:
-        with torch.no_grad():
-            for name, value in zip(_STATISTICS, saved):
-                if value is not None:
-                    getattr(bn, name).copy_(value)
+        for name, value in zip(_STATISTICS, saved):
+            if value is not None:
+                # through .data, as BatchNorm's own update writes them: no version bump, which would break the
+                # backward of a microbatch whose forward (not checkpointed) saved them, still to run (1F1B, except_last)
+                getattr(bn, name).data.copy_(value)
 
 
 def _starts_in_place(module: nn.Module) -> bool:

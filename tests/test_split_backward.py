@@ -260,3 +260,32 @@ def test_a_checkpointed_batch_norm_updates_its_statistics_once_per_microbatch(sp
         torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
     for p, q in zip(module.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_recomputed_batch_norm_leaves_the_graph_of_an_uncheckpointed_microbatch_usable(split):
+    """Regression (review MM): under checkpoint="except_last" and 1F1B or ZB-H1, stage 0 runs the last microbatch's
+    forward (kept, not checkpointed), then an earlier microbatch's backward, which recomputes its forward; putting the
+    running statistics back bumped their version, and the last microbatch's backward failed ("modified by an inplace
+    operation"). They are put back as BatchNorm's own update writes them, without a version bump."""
+    import copy
+
+    from lightning_pipe.stage import Stage
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(module)
+    stage = Stage(module, 1, 2, checkpoint="except_last", split_backward=split)
+    xs = [torch.randn(5, 3) for _ in range(2)]
+    for x in xs:
+        reference(x).sum().backward()
+    for i, x in enumerate(xs):  # microbatch 0 checkpointed, microbatch 1 (the last) not
+        stage.forward(i, (x.clone().requires_grad_(),), 2, loss_fn=lambda i, out: out[0].sum())
+    for i in range(2):  # microbatch 0's backward recomputes, then microbatch 1's uses what its forward saved
+        (stage.backward_input if split else stage.backward)(i, None)
+        if split:
+            stage.backward_weight(i)
+    for (name, got), want in zip(module.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
+    for p, q in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

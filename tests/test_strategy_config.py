@@ -354,6 +354,21 @@ def test_a_time_based_validation_interval_is_refused_where_the_stages_would_disa
         _setup(_strategy(2, 2, 0), OneBody(), _val_check_time_interval=3600.0)
 
 
+def test_sync_batchnorm_over_replicas_is_refused_and_over_one_replica_changes_nothing():
+    """Review MM: Trainer(sync_batchnorm=True) was ignored without a word (2 stages x 2 replicas trained as without
+    it); over one replica it is plain BatchNorm, as under DDP on one device."""
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    strategy = _strategy(4, 2, 0)
+    strategy._layer_sync = TorchSyncBatchNorm()
+    with pytest.raises(ConfigurationError, match=r"sync_batchnorm=True\) .* over 2 replicas: .* Remove sync_batchnorm"):
+        _setup(strategy, OneBody())
+    strategy = _strategy(2, 2, 0)
+    strategy._layer_sync = TorchSyncBatchNorm()
+    with pytest.raises(AttributeError, match="callbacks"):  # past the check, to what this stand-in trainer lacks
+        _setup(strategy, OneBody())
+
+
 def test_fp16_loss_scaler_is_shared_by_the_job_in_the_same_state():
     """The plugin's GradScaler becomes a ShardedGradScaler over the world, keeping its settings and scale."""
     from lightning.pytorch.plugins.precision import MixedPrecision

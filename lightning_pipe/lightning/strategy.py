@@ -364,6 +364,14 @@ class PipeStrategy(DDPStrategy):
                 "process measures on its own clock: the processes of a pipeline would start validation after "
                 "different batches and wait for each other until the timeout. Give it as a number of batches or a "
                 "fraction of the epoch")
+        if fitting and self._layer_sync is not None and self.dp_size > 1:
+            raise ConfigurationError(
+                f"Trainer(sync_batchnorm=True) (a LayerSync plugin: {type(self._layer_sync).__name__}) with "
+                f"PipeStrategy over {self.dp_size} replicas: it would turn BatchNorm into SyncBatchNorm over every "
+                "process, while the processes of a pipeline hold different stages, and synchronizing over a stage's "
+                "replicas only is not supported. Remove sync_batchnorm (each replica normalizes its own microbatches, "
+                "as each DDP process does without it; deferred_batch_norm=True keeps running statistics per batch), "
+                "or use GroupNorm or LayerNorm")
         if fitting:
             self._refuse_unsupported_callbacks(trainer)
             self._train_ended = False
