@@ -109,7 +109,9 @@ def consolidate(path: Union[str, Path], out: Optional[Union[str, Path]] = None,
                 _nest(state, (name, *below), values[fqn])
         optimizer_states.append(numbered(state, groups))
     checkpoint = torch.load(path / META, map_location="cpu", weights_only=bool(weights_only))
-    checkpoint.update(state_dict=state_dict, optimizer_states=optimizer_states)
+    checkpoint["state_dict"] = state_dict
+    if optimizer_states:  # none in a weights-only save, whose plain file holds no such key either
+        checkpoint["optimizer_states"] = optimizer_states
     if current:
         checkpoint[CURRENT] = current
     if out is not None:
@@ -129,7 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.output}: {len(checkpoint['state_dict'])} state-dict entries, "
-          f"{len(checkpoint['optimizer_states'])} optimizer states")
+          f"{len(checkpoint.get('optimizer_states', []))} optimizer states")
     return 0
 
 

@@ -979,6 +979,7 @@ def run(spec: dict, root: str) -> dict:
     trainer.fit(model, train, val, ckpt_path=os.path.join(root, ckpt_path) if ckpt_path else None)
     if spec.get("save_after_fit"):  # the most common way to save
         trainer.save_checkpoint(os.path.join(root, name, "final.ckpt"))
+        trainer.save_checkpoint(os.path.join(root, name, "weights.ckpt"), weights_only=True)
     rank = trainer.global_rank
     draws = getattr(model, "draws", None)
     if draws is not None:

@@ -317,6 +317,22 @@ def test_a_hook_deleting_one_key_of_a_tied_weight_saves_the_other_in_sharded_che
         assert sorted(consolidate(saved)["state_dict"]) == sorted(keys)
 
 
+def test_a_weights_only_sharded_checkpoint_holds_the_weights_ddp_saves(lm_runs):
+    """Regression (review NN): `trainer.save_checkpoint(path, weights_only=True)` (and ModelCheckpoint(
+    save_weights_only=True)) under state_dict_type="sharded" failed on every rank: the save expected an optimizer
+    state per optimizer layout."""
+    from lightning_pipe.consolidate import consolidate
+
+    _, root, _ = lm_runs("world2")
+    _, reference_root, _ = lm_runs("reference")
+    ours = consolidate(os.path.join(root, "tied_once_sharded", "weights.ckpt"))
+    theirs = torch.load(os.path.join(reference_root, "tied_once", "weights.ckpt"), weights_only=False)
+    assert "optimizer_states" not in ours and "optimizer_states" not in theirs
+    assert list(ours["state_dict"]) == list(theirs["state_dict"])
+    for key, value in theirs["state_dict"].items():
+        torch.testing.assert_close(ours["state_dict"][key], value, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def test_a_param_group_ordered_otherwise_than_the_model_is_saved_in_its_own_order_as_under_ddp(lm_runs):
     """Regression (review Y): each stage's optimizer holds its own parameters only, and the checkpoint ordered a
     group's parameters of different stages by the model's order; `AdamW(list(self.parameters())[::-1])` was saved

@@ -360,6 +360,7 @@ class Checkpoints:
 
     def save_sharded(self, checkpoint: Dict[str, Any], path: str, global_zero: bool) -> None:
         """Write ``checkpoint`` (this rank's parts) as a sharded directory; every rank calls it."""
+        layouts = self.layouts if "optimizer_states" in checkpoint else []  # none in a weights-only checkpoint
         state, optimizers = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         current = checkpoint.pop("current_model_state", None)  # a weight averaging callback's: this rank's part too
         before, kept = self.before_hooks, self._kept_by_hooks(state)
@@ -367,7 +368,7 @@ class Checkpoints:
         for alias, key in aliases.items():  # a hook deleted the first key of a tied tensor, not this one: keep it
             if alias not in state and key not in state and key in before:
                 state[alias] = before[key]
-        save_sharded(path, state, optimizers, self.layouts, checkpoint if global_zero else None,
+        save_sharded(path, state, optimizers, layouts, checkpoint if global_zero else None,
                      aliases=aliases, expected_keys=kept, current_state=current, group=None)
 
     def for_hooks(self, state: Mapping[str, Any]) -> HookState:
