@@ -178,12 +178,16 @@ def all_ranks_failed(world_size: int, rank: int, seconds: float = _MEET_SECONDS)
         store.set(prefix + str(rank), "1")
         keys = [prefix + str(r) for r in range(world_size)]
         while not store.check(keys):
+            # a rank that gave up stops its job without the collectives: one arriving later must not start them
+            if store.check([prefix + "gave_up"]):
+                return False
             if time.monotonic() > deadline:
+                store.set(prefix + "gave_up", "1")
                 return False
             time.sleep(_POLL_STORE_EVERY)
     except Exception:  # noqa: BLE001 (the store's host is gone: so is a rank)
         return False
-    return True
+    return not store.check([prefix + "gave_up"])
 
 
 class _Slot:

@@ -5,8 +5,10 @@ trains ``lightning_app.Regressor`` but makes global rank 3 raise ``RuntimeError(
 global rank 3")`` (or, with ``--fail-how kill``, SIGKILL itself) at the start of training_step for
 that epoch and batch (``--fail-in hook``: in its ``on_train_batch_end``, which fails that rank
 alone). ``--on-exception-checkpoint`` adds Lightning's ``OnExceptionCheckpoint`` (a collective in
-``on_exception``), writing into ``on_exception/`` beside the stamp file. Lightning's launcher
-re-executes this script, so every rank gets the flags.
+``on_exception``), writing into ``on_exception/`` beside the stamp file. ``--fail-rank -1`` fails
+every rank; ``--catch`` catches the error around ``fit``, waits ``CAUGHT_WAIT_S`` and writes
+``alive_<rank>`` beside the stamp file, as a script going on after a failure would. Lightning's
+launcher re-executes this script, so every rank gets the flags.
 """
 
 from __future__ import annotations
@@ -30,16 +32,19 @@ def parse(argv=None):
     parser.add_argument("--fail-how", choices=["raise", "kill"], default="raise")
     parser.add_argument("--fail-in", choices=["step", "hook"], default="step")
     parser.add_argument("--on-exception-checkpoint", action="store_true")
+    parser.add_argument("--catch", action="store_true")
     return parser.parse_known_args(argv)
 
 
-FAULT = argparse.Namespace(fail_rank=-1, fail_epoch=0, fail_batch=0, fail_how="raise", fail_in="step",
-                           on_exception_checkpoint=False)  # set by parse()
+FAULT = argparse.Namespace(fail_rank=-2, fail_epoch=0, fail_batch=0, fail_how="raise", fail_in="step",
+                           on_exception_checkpoint=False, catch=False)  # set by parse()
+CAUGHT_WAIT_S = 8.0  # longer than PipeStrategy's grace before it ends the ranks still running
 
 
 class FaultyRegressor(lightning_app.Regressor):
     def _fail_here(self, batch_idx):
-        if (self.global_rank, self.current_epoch, batch_idx) == (FAULT.fail_rank, FAULT.fail_epoch, FAULT.fail_batch):
+        rank = self.global_rank if FAULT.fail_rank == -1 else FAULT.fail_rank
+        if (self.global_rank, self.current_epoch, batch_idx) == (rank, FAULT.fail_epoch, FAULT.fail_batch):
             with open(os.environ["FAULT_STAMP"], "w") as stamp:  # when the failure happened (wall clock)
                 stamp.write(repr(time.time()))
             if FAULT.fail_how == "kill":
@@ -64,4 +69,13 @@ class FaultyRegressor(lightning_app.Regressor):
 if __name__ == "__main__":
     FAULT, APP_ARGS = parse()
     lightning_app.Regressor = FaultyRegressor  # main() builds the model by this name
-    lightning_app.main(APP_ARGS)
+    if not FAULT.catch:
+        lightning_app.main(APP_ARGS)
+        sys.exit(0)
+    try:
+        lightning_app.main(APP_ARGS)
+    except RuntimeError as error:
+        time.sleep(CAUGHT_WAIT_S)
+        folder = os.path.dirname(os.environ["FAULT_STAMP"])
+        with open(os.path.join(folder, f"alive_{os.environ.get('LOCAL_RANK', '0')}"), "w") as alive:
+            alive.write(str(error))

@@ -336,6 +336,20 @@ def test_on_exception_checkpoint_saves_where_every_rank_failed_and_never_waits_w
     assert not any(v.is_meta for v in checkpoint["state_dict"].values())
 
 
+def test_a_script_catching_an_error_every_rank_raised_goes_on_as_under_ddp(tmp_path_factory):
+    """Regression (review NN): every rank raised in a hook and the script caught it; 5 s later the launcher SIGKILLed
+    the ranks still running (the script's own recovery code), and the job ended with code 137. Ranks that all
+    failed meet (hooks.FailTogether) and none is ended."""
+    root = tmp_path_factory.mktemp("caught")
+    cmd = [sys.executable, FAULT_APP, "--fail-rank", -1, "--fail-epoch", 0, "--fail-batch", 1, "--fail-in", "hook",
+           "--catch", "--strategy", "pipe", "--devices", 2, "--root", str(root), "--out", str(root / "result.pt")]
+    (code,), seconds, survivors, (output,) = Launch(root, [list(map(str, cmd))],
+                                                    _env(FAULT_STAMP=str(root / "failed_at"))).finish(HANG_BOUND_S)
+    assert code == 0 and not survivors, (code, survivors, output[-4000:])
+    assert sorted(p.name for p in root.glob("alive_*")) == ["alive_0", "alive_1"], output[-4000:]
+    assert (root / "alive_1").read_text() == "injected failure on global rank 1"
+
+
 def test_resume_after_a_failure_loses_nothing_checkpointed(tmp_path_factory, failed_in_second_epoch, pipe2x2):
     """The checkpoint of epoch 0, written before the failure in epoch 1, resumes to the uninterrupted result."""
     root = failed_in_second_epoch[4]

@@ -73,6 +73,14 @@ def test_a_body_compiled_whole_is_refused_and_compiled_blocks_are_taken():
     del model.blocks
     with pytest.raises(ConfigurationError, match=r"`self\.net` is torch\.compile'd whole: .* `self\.net\._orig_mod\.blocks`"):
         find_body(model)
+    model = OneBody()  # review LL: a compiled method of a module holding the body (a Hugging Face pattern)
+    model.forward = torch.compile(model.forward)
+    with pytest.raises(ConfigurationError, match=r"OneBody's `forward` is torch\.compile'd: .* body `self\.blocks`"):
+        find_body(model)
+    model = OneBody()
+    model.training_step = torch.compile(model.training_step)
+    with pytest.raises(ConfigurationError, match=r"OneBody's `training_step` is torch\.compile'd"):
+        find_body(model)
     model = OneBody()
     model.blocks = nn.Sequential(*[torch.compile(block) for block in model.blocks])
     model.blocks[1].compile()

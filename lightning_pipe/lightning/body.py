@@ -78,8 +78,9 @@ def find_body(module: nn.Module, body: Optional[str] = None) -> Tuple[str, nn.Mo
     return body_paths(module, found)[0], found
 
 
-_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-                  "_forward_hooks_always_called")
+# not `_forward_hooks_always_called`: on the first stage the stand-in's forward stops the step by raising, and torch
+# would call such a hook with no output there; on the last stage, where the body's output reaches the step, it runs
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
 
 
 def share_forward_hooks(body: nn.Module, stand_in: nn.Module) -> None:
@@ -125,6 +126,10 @@ def _refuse_compiled(module: nn.Module, path: str) -> None:
             where = f"{name} is torch.compile'd whole"
         elif where is None and getattr(ancestor, "_compiled_call_impl", None) is not None:
             where = f"{name} is compiled in place (`.compile()`)"
+        methods = ("forward", "training_step", "validation_step", "test_step", "predict_step") if k == 0 else ("forward",)
+        for method in methods:  # `self.net.forward = torch.compile(self.net.forward)`: dynamo's wrapper keeps the original
+            if where is None and hasattr(ancestor.__dict__.get(method), "_torchdynamo_orig_callable"):
+                where = f"{name}'s `{method}` is torch.compile'd"
     if where is not None:
         raise ConfigurationError(
             f"{where}: its compiled graph spans every layer of the body `self.{path}`, while under PipeStrategy each "
@@ -169,8 +174,9 @@ def _locate(module: nn.Module, body: Optional[str]) -> Tuple[str, nn.Module]:
 def _refuse_released(path: str, found: nn.Module) -> None:
     if isinstance(found, StandIn):
         raise ConfigurationError(
-            f"`{path}` holds only stage {found.stage_index} of a body split by an earlier PipeStrategy run with "
-            "gather_full_model=False; build the module anew or load it from a checkpoint"
+            f"`{path}` holds only stage {found.stage_index} of a body split by an earlier PipeStrategy run that did "
+            "not put the whole model back (gather_full_model=False, or a fit that failed); build the module anew or "
+            "load it from a checkpoint"
         )
 
 

@@ -234,11 +234,13 @@ class BufferWatch:
     Args:
         module: the LightningModule (its body being this rank's stand-in).
         checkpoint: PipeStrategy's ``checkpoint`` mode.
+        body: the body's attribute path: only its layers are recomputed (never the code around them).
     """
 
-    def __init__(self, module: nn.Module, checkpoint: str = "never") -> None:
+    def __init__(self, module: nn.Module, checkpoint: str = "never", body: str = "body") -> None:
         self.module = module
         self.checkpoint = checkpoint
+        self.body = body + "."
         self.done = False
 
     def before(self) -> Optional[Dict[str, Tuple[int, int]]]:
@@ -251,22 +253,25 @@ class BufferWatch:
 
         Example:
             >>> body = nn.utils.spectral_norm(nn.Linear(2, 2))
-            >>> watch = BufferWatch(nn.Sequential(body), checkpoint="always")
+            >>> watch = BufferWatch(nn.ModuleDict({"body": body}), checkpoint="always")
             >>> snapshot = watch.before()
             >>> _ = body(torch.ones(1, 2))
             >>> with warnings.catch_warnings(record=True) as caught:
             ...     warnings.simplefilter("always")
             ...     watch.after(snapshot, num_microbatches=1)
-            ['0.weight_u', '0.weight_v']
+            ['body.weight_u', 'body.weight_v']
             >>> "recomputes" in str(caught[0].message)
             True
         """
-        recomputed = self.checkpoint == "always" or (self.checkpoint == "except_last" and num_microbatches > 1)
-        if snapshot is None or (num_microbatches < 2 and not recomputed):
+        recomputes = self.checkpoint == "always" or (self.checkpoint == "except_last" and num_microbatches > 1)
+        if snapshot is None or (num_microbatches < 2 and not recomputes):
             return []  # one forward per step, as without PipeStrategy
         self.done = True
         changed = [name for name, b in _stateful_buffers(self.module)
                    if name in snapshot and snapshot[name] != (id(b), b._version)]
+        recomputed = recomputes and any(name.startswith(self.body) for name in changed)
+        if num_microbatches < 2:
+            changed = [name for name in changed if name.startswith(self.body)]  # the rest ran once, as in one process
         if not changed:
             return changed
         names = f"buffer{'s' if len(changed) > 1 else ''} `{'`, `'.join(changed)}`"

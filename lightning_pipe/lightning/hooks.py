@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad as _clip_grad
-from lightning.pytorch import Callback, LightningDataModule, LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.callbacks import BaseFinetuning, BasePredictionWriter
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -60,17 +60,16 @@ class BodySwap(Callback):
 
 
 class FailTogether(Callback):
-    """First of the callbacks' ``on_exception``: stop the job at once where this rank failed alone (see
-    :func:`~lightning_pipe.faults.all_ranks_failed`), before a later callback's collective waits for good."""
+    """First of the callbacks' ``on_exception``: learn whether every rank failed (see
+    :func:`~lightning_pipe.faults.all_ranks_failed`); where this one failed alone, stop the job at once, before a
+    later callback's collective (``ModelCheckpoint``'s save on exception) waits for good. Every rank meets, whatever
+    its callbacks, so that the meetings of all ranks stay in step."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        datamodule = trainer.datamodule
-        if any(overrides(c, "on_exception") for c in trainer.callbacks if c is not self) or (
-                datamodule is not None and type(datamodule).on_exception is not LightningDataModule.on_exception):
-            self.strategy.stop_if_failed_alone(exception)
+        self.strategy.stop_if_failed_alone(exception)
 
 
 def count_replicas_in_throughput(callbacks: List[Callback], dp_size: int) -> None:

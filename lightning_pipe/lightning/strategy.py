@@ -222,6 +222,7 @@ class PipeStrategy(DDPStrategy):
         self._showing_whole = False  # the checkpoint hooks are being shown the whole body (lightning_module_state_dict)
         self._routed_writers: List[Any] = []  # the prediction writers routed to the first stage (predict)
         self.hidden_example: Optional[tuple] = None  # example_input_array while the summary sees the whole body
+        self._failed_together = False  # every rank reached on_exception (hooks.FailTogether): nobody to end
         self._among_writers = False  # a prediction writer runs: barrier and broadcast over the first stage's replicas
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
@@ -512,7 +513,7 @@ class PipeStrategy(DDPStrategy):
         layout = plan(self, module, trainer)
         self.split, self._costs, self._sharded = layout.split, layout.costs, layout.sharded
         self._effects = StepEffects(module, 1)
-        self._buffer_watch = BufferWatch(module, checkpoint=self.checkpoint)
+        self._buffer_watch = BufferWatch(module, checkpoint=self.checkpoint, body=self.split.path)
         self._recorder = logs.LogRecorder(module, self.split.path)
         self._runner = StepRunner(module, self.split.stand_in, self.split.path, self._recorder, self._effects,
                                   self.checkpoint, self.loss_reduction)
@@ -1007,13 +1008,16 @@ class PipeStrategy(DDPStrategy):
         if self.world_size % self.pp_size == 0:  # else the topology is what failed, and has no stages
             where += f" (stage {self.stage_index}, replica {self.dp_rank})"
         report_job_error(f"{where} failed: {type(exception).__name__}: {exception}")
-        end_launched_ranks(self.launcher)
+        if not self._failed_together:  # where every rank failed, none is stuck: a script catching it goes on
+            end_launched_ranks(self.launcher)
+        self._failed_together = False
 
     def stop_if_failed_alone(self, exception: BaseException) -> None:
         """Before the callbacks' ``on_exception``: where the other ranks did not fail too (they are inside a step, or
         in Lightning's per-batch broadcast), a callback's collective (``OnExceptionCheckpoint`` gathering the model)
         would wait for them for good. Stop the job instead, skipping those callbacks, with the user's exception."""
-        if all_ranks_failed(self.world_size, self.global_rank):
+        self._failed_together = all_ranks_failed(self.world_size, self.global_rank)
+        if self._failed_together:
             return
         _log.error(rank_prefixed_message(
             "failed while the other ranks went on: the callbacks' on_exception (OnExceptionCheckpoint, "
