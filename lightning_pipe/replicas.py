@@ -200,3 +200,12 @@ class ReplicaSync:
             bucket.launch(self.group)
         for bucket in tied:
             bucket.settle(self.size)
+
+
+def broadcast_from_replica_zero(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """What DDP's ``broadcast_buffers`` (and its parameter sync at wrap time) does: ``tensors`` take the values of the
+    group's rank 0, in buckets. Every replica of a stage holds the same tensors (meta ones, released, left out).
+    Through torch's own coalesced broadcast, the one DDP uses."""
+    held = [t.detach() for t in tensors if not t.is_meta]
+    if held:
+        dist._broadcast_coalesced(group, held, BUCKET_BYTES, 0)

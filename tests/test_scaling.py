@@ -187,7 +187,8 @@ def two_processes(tmp_path_factory):
     """Lightning's DDP on two devices (the run a pipeline replicated twice must reproduce) and pipe_size=1."""
     root = tmp_path_factory.mktemp("two_processes")
     runs = {"ddp2": ["--strategy", "ddp", "--devices", 2],
-            "pipe1x2": ["--strategy", "pipe", "--devices", 2, "--pipe-size", 1]}
+            "pipe1x2": ["--strategy", "pipe", "--devices", 2, "--pipe-size", 1],
+            "ddp2_bn": ["--strategy", "ddp", "--devices", 2, "--model", "skipbn"]}
     cmd = [sys.executable, APP, "--runs", json.dumps(runs), "--root", str(root)]
     codes, seconds, survivors, (output,) = Launch(root, [cmd], _env()).finish(TIMEOUT * 2)
     assert codes == [0] and not survivors, f"{codes}, survivors {survivors}:\n{output[-6000:]}"
@@ -212,6 +213,15 @@ def pipe2x2(tmp_path_factory):
 def test_two_stages_times_two_replicas_equals_ddp(pipe2x2, ddp2):
     """Weights, callback metrics, CSV logs, validation, predictions and global_step of pp=2 x dp=2 equal DDP(2)."""
     assert_same_run(pipe2x2, ddp2)
+
+
+def test_replicas_evaluate_with_replica_zeros_batch_norm_statistics_as_under_ddp(tmp_path_factory, two_processes):
+    """Regression (review MM): each replica kept its own BatchNorm running statistics, where DDP's forward starts from
+    rank 0's buffers after a synced step (broadcast_buffers), so replica 1 validated with other statistics and the
+    val_loss logged during fit (averaged over replicas) differed from DDP's (0.511131 against 0.511596)."""
+    result = _run(tmp_path_factory, "pipe2x2_bn", APP, "--strategy", "pipe", "--devices", 4, "--pipe-size", 2,
+                  "--model", "skipbn", "--microbatches", 1)
+    assert_same_run(result, two_processes["ddp2_bn"])
 
 
 def test_process_groups_are_destroyed_before_the_interpreter_exits(pipe2x2):

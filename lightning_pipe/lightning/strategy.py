@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_pipe import gradients
+from lightning_pipe import gradients, replicas
 from lightning_pipe.batchnorm import commit_deferred_batch_norm
 from lightning_pipe.checkpoint import check_checkpoint
 from lightning_pipe.errors import BatchMismatchError, ConfigurationError
@@ -223,6 +223,7 @@ class PipeStrategy(DDPStrategy):
         self._routed_writers: List[Any] = []  # the prediction writers routed to the first stage (predict)
         self.hidden_example: Optional[tuple] = None  # example_input_array while the summary sees the whole body
         self._failed_together = False  # every rank reached on_exception (hooks.FailTogether): nobody to end
+        self._buffers_synced_next = False  # the next step starts from replica 0's buffers (see _sync_buffers)
         self._among_writers = False  # a prediction writer runs: barrier and broadcast over the first stage's replicas
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
@@ -410,6 +411,11 @@ class PipeStrategy(DDPStrategy):
         self._effects.warns = self.is_last_stage and self.dp_rank == 0  # once, where the step runs whole
         for metric in (m for m in module.modules() if isinstance(m, logs.Metric) and m.process_group is None):
             metric.process_group = self.dp_group
+        # as DDP at wrap time: replicas start from replica 0's parameters and buffers, and each forward after a
+        # training step that synced gradients starts from its buffers (DDP's broadcast_buffers; see _sync_buffers)
+        if fitting and self.dp_size > 1:
+            replicas.broadcast_from_replica_zero([*module.parameters(), *module.buffers()], self.dp_group)
+        self._buffers_synced_next = fitting
         if not any(isinstance(c, hooks.StepState) for c in trainer.callbacks):
             trainer.callbacks.insert(0, hooks.StepState(self))
         if not any(isinstance(c, hooks.FailTogether) for c in trainer.callbacks):
@@ -529,9 +535,18 @@ class PipeStrategy(DDPStrategy):
         return [getattr(o, "_optimizer", o) for o in self.optimizers]
 
     # -- training ------------------------------------------------------------------------------
+    def _sync_buffers(self, synced_next: bool) -> None:
+        """DDP's ``broadcast_buffers`` during fit: a forward that follows one with gradient sync (a training step that
+        is not accumulating) starts from replica 0's buffers (BatchNorm statistics), so a replica's evaluation uses
+        them; ``synced_next`` is what this step leaves for the next (DDP's ``require_forward_param_sync``)."""
+        if self._buffers_synced_next and self.dp_size > 1:
+            replicas.broadcast_from_replica_zero(list(self.lightning_module.buffers()), self.dp_group)
+        self._buffers_synced_next = synced_next
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._hide_whole()  # a checkpoint that did not reach save_checkpoint (an exception its saver caught)
         module, first, last = self.lightning_module, self.is_first_stage, self.is_last_stage
+        self._sync_buffers(not module.trainer.fit_loop.epoch_loop._should_accumulate())
         one_run = self.pp_size == 1 and self.num_microbatches == 1  # the step runs once, as under DDP
         self._runner.begin("training_step", args[1:], self._pipeline,
                            None if one_run else optimizer_settings(module.trainer))
@@ -768,6 +783,7 @@ class PipeStrategy(DDPStrategy):
     # -- evaluation ----------------------------------------------------------------------------
     def _eval_step(self, hook: str, context: Any, args: tuple) -> Any:
         self._hide_whole()
+        self._sync_buffers(False)
         if self.pp_size == 1:
             with context:
                 return getattr(self.lightning_module, hook)(*args)
