@@ -156,13 +156,14 @@ _MEETINGS = {"count": 0}
 
 
 def all_ranks_failed(world_size: int, rank: int, seconds: float = _MEET_SECONDS) -> bool:
-    """Whether every rank of the job reached this point (its ``on_exception``) within ``seconds`` of this one.
+    """Whether every rank of the job reached this point (its ``on_exception``) within ``seconds`` of the first one.
 
     Callbacks' ``on_exception`` may run collectives (``OnExceptionCheckpoint`` gathers the model to save it): where
     every rank failed together (a step error stops every stage) they all run them; where one rank failed alone, the
     others are inside a step or in Lightning's per-batch broadcast, and the collectives would wait for good. Each
-    rank writes its arrival to the job's store and waits for the others'; a store that stops answering (its host,
-    global rank 0, is gone) counts as not all.
+    rank writes its arrival to the job's store; the first rank to see every arrival, or its deadline pass, decides
+    for all of them in one atomic write (``compare_set``), so no two ranks decide differently. A store that stops
+    answering (its host, global rank 0, is gone) counts as not all.
 
     Example:
         >>> all_ranks_failed(world_size=1, rank=0)
@@ -172,22 +173,20 @@ def all_ranks_failed(world_size: int, rank: int, seconds: float = _MEET_SECONDS)
         return True
     _MEETINGS["count"] += 1
     prefix = f"lightning_pipe/failed_together/{_MEETINGS['count']}/"
+    decision = prefix + "decision"
     deadline = time.monotonic() + seconds
     try:
         store = _store()
         store.set(prefix + str(rank), "1")
         keys = [prefix + str(r) for r in range(world_size)]
-        while not store.check(keys):
-            # a rank that gave up stops its job without the collectives: one arriving later must not start them
-            if store.check([prefix + "gave_up"]):
-                return False
-            if time.monotonic() > deadline:
-                store.set(prefix + "gave_up", "1")
-                return False
+        while not store.check([decision]):
+            if store.check(keys) or time.monotonic() > deadline:
+                store.compare_set(decision, "", "all" if store.check(keys) else "not all")
+                break
             time.sleep(_POLL_STORE_EVERY)
+        return store.get(decision) == b"all"
     except Exception:  # noqa: BLE001 (the store's host is gone: so is a rank)
         return False
-    return not store.check([prefix + "gave_up"])
 
 
 class _Slot:

@@ -223,6 +223,7 @@ class PipeStrategy(DDPStrategy):
         self._routed_writers: List[Any] = []  # the prediction writers routed to the first stage (predict)
         self.hidden_example: Optional[tuple] = None  # example_input_array while the summary sees the whole body
         self._failed_together = False  # every rank reached on_exception (hooks.FailTogether): nobody to end
+        self._reported = False  # this rank's failure was told to the job (see _report_failure)
         self._buffers_synced_next = False  # the next step starts from replica 0's buffers (see _sync_buffers)
         self._among_writers = False  # a prediction writer runs: barrier and broadcast over the first stage's replicas
         self.pp_group: Optional[dist.ProcessGroup] = None
@@ -537,8 +538,10 @@ class PipeStrategy(DDPStrategy):
     # -- training ------------------------------------------------------------------------------
     def _sync_buffers(self, synced_next: bool) -> None:
         """DDP's ``broadcast_buffers`` during fit: a forward that follows one with gradient sync (a training step that
-        is not accumulating) starts from replica 0's buffers (BatchNorm statistics), so a replica's evaluation uses
-        them; ``synced_next`` is what this step leaves for the next (DDP's ``require_forward_param_sync``)."""
+        is not accumulating) starts from replica 0's buffers (BatchNorm statistics, and buffers a hook reassigned
+        between the steps), so a replica's evaluation uses them; ``synced_next`` is what this step leaves for the next
+        (DDP's ``require_forward_param_sync``). As under DDP, replicas must run the same number of evaluation steps
+        (Lightning's distributed sampler pads them to it)."""
         if self._buffers_synced_next and self.dp_size > 1:
             replicas.broadcast_from_replica_zero(list(self.lightning_module.buffers()), self.dp_group)
         self._buffers_synced_next = synced_next
@@ -1019,25 +1022,35 @@ class PipeStrategy(DDPStrategy):
         self._routed_writers = []
         super().on_exception(exception)
         self._failed = True  # no gathering in teardown: peers may be gone
+        if not self._reported:
+            self._report_failure(exception)
+        if not self._failed_together:  # where every rank failed, none is stuck: a script catching it goes on
+            end_launched_ranks(self.launcher)
+        self._failed_together = self._reported = False
+
+    def _report_failure(self, exception: BaseException) -> None:
+        """Tell every pipeline of the job (their waits watch it: a replica waiting for this one stops)."""
         note_failure()
         where = f"global rank {self.global_rank}"
         if self.world_size % self.pp_size == 0:  # else the topology is what failed, and has no stages
             where += f" (stage {self.stage_index}, replica {self.dp_rank})"
         report_job_error(f"{where} failed: {type(exception).__name__}: {exception}")
-        if not self._failed_together:  # where every rank failed, none is stuck: a script catching it goes on
-            end_launched_ranks(self.launcher)
-        self._failed_together = False
+        self._reported = True
 
     def stop_if_failed_alone(self, exception: BaseException) -> None:
-        """Before the callbacks' ``on_exception``: where the other ranks did not fail too (they are inside a step, or
-        in Lightning's per-batch broadcast), a callback's collective (``OnExceptionCheckpoint`` gathering the model)
-        would wait for them for good. Stop the job instead, skipping those callbacks, with the user's exception."""
+        """Before the callbacks' ``on_exception``: where the other ranks did not all fail too within a few seconds
+        (they are inside a step, or in Lightning's per-batch broadcast), a callback's collective
+        (``OnExceptionCheckpoint`` gathering the model) would wait for them for good. Stop the job instead, skipping
+        those callbacks, with the user's exception. The failure is told first, so ranks waiting in a step for this
+        one stop and come too (another replica, whose pipeline did not fail)."""
+        self._report_failure(exception)
         self._failed_together = all_ranks_failed(self.world_size, self.global_rank)
         if self._failed_together:
             return
         _log.error(rank_prefixed_message(
-            "failed while the other ranks went on: the callbacks' on_exception (OnExceptionCheckpoint, "
-            "ModelCheckpoint(save_on_exception=True)) are skipped, as saving needs every rank", self.global_rank))
+            "failed, and the other ranks did not all stop within seconds: the callbacks' on_exception "
+            "(OnExceptionCheckpoint, ModelCheckpoint(save_on_exception=True)) are skipped, as saving needs every rank",
+            self.global_rank))
         self.on_exception(exception)
         raise exception
 
