@@ -27,6 +27,9 @@ from lightning_pipe.schedule.placement import placement as placement_of
 from lightning_pipe.ties import find_ties
 
 TIES_ATTRIBUTE = "_lightning_pipe_ties"  # the tied parameters of the model a stage was cut from
+# which part of the model a stage is: (part index, number of parts, balance, placement); the pipeline checks that the
+# ranks' parts make up one model, each part at its own stage
+PART_ATTRIBUTE = "_lightning_pipe_part"
 
 
 class SequentialModel(nn.Sequential):
@@ -397,5 +400,6 @@ def partition(
             continue
         part = type(module)(OrderedDict((name, module._modules[name]) for name in names[start:stop]))
         part.__dict__[TIES_ATTRIBUTE] = ties  # read by the pipeline, which sums their gradients over ranks
+        part.__dict__[PART_ATTRIBUTE] = (k, num_parts, tuple(balance), placement)
         parts.append(part)
     return parts if num_model_chunks is not None else parts[0]

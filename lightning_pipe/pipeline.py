@@ -27,7 +27,7 @@ from lightning_pipe.faults import ErrorChannel, end_process_groups_at_exit, note
 from lightning_pipe.memory import ActivationMeter, MeterOff
 from lightning_pipe.microbatch import (NoChunk, batch_size_of, gather, microbatch_sizes, open_containers, plain_tensors,
                                       scatter)
-from lightning_pipe.partition import TIES_ATTRIBUTE
+from lightning_pipe.partition import PART_ATTRIBUTE, TIES_ATTRIBUTE
 from lightning_pipe.replicas import ReplicaSync
 from lightning_pipe.schedule import ALL_SCHEDULES, forward_only, make_table, validate
 from lightning_pipe.skip.layout import SkipLayout, declarations
@@ -96,6 +96,55 @@ def _stages_per_rank(schedule: str, virtual_stages: Optional[int], modules: List
     return v
 
 
+def _agree(group: dist.ProcessGroup, problem: Optional[Exception], settings: Dict[str, Any],
+           parts: List[Optional[tuple]]) -> List[List[Optional[tuple]]]:
+    """Every rank's argument problem, settings and model parts, on every rank (one collective, at construction): a
+    rank given bad arguments, or other settings than the others (microbatches, schedule, stages per rank: the
+    step's messages would not pair; a gloo rank aborts, another waits), fails on every rank with the same error,
+    instead of only where it was given. Returns the ranks' parts (see :func:`_check_parts`)."""
+    mine = (str(problem) if problem is not None else None, settings, parts)
+    everyone: List[Any] = [mine]
+    if dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    if problem is not None:
+        raise problem
+    for rank, (text, _, _) in enumerate(everyone):
+        if text is not None:
+            raise ConfigurationError(f"pipeline rank {rank} refused its arguments: {text}")
+    for key, value in settings.items():
+        values = [other[key] for _, other, _ in everyone]
+        if any(v != value for v in values):
+            raise ConfigurationError(
+                f"the pipeline's ranks were given different {key}: {values} (by rank in the group); every rank "
+                "must build its Pipeline with the same arguments (stages per rank: the number of modules given)")
+    return [rank_parts for _, _, rank_parts in everyone]
+
+
+def _check_parts(parts: List[List[Optional[tuple]]], stage_ranks: Sequence[int]) -> None:
+    """The stages :func:`~lightning_pipe.partition.partition` cut must make up one model, each where the schedule
+    runs it: a rank given another rank's part, parts of another split (its own ``balance``, a number of ranks
+    other than the group's, the wrong ``placement``) would run a model with layers missing or twice, silently."""
+    for rank, held in enumerate(parts):
+        stages = [s for s, owner in enumerate(stage_ranks) if owner == rank]
+        for stage, part in zip(stages, held):
+            if part is None:  # a stage built by hand: nothing to check
+                continue
+            index, num_parts, balance, placement = part
+            if index != stage or num_parts != len(stage_ranks):
+                raise ConfigurationError(
+                    f"pipeline rank {rank} was given part {index} of a model cut into {num_parts} "
+                    f"(partition(..., placement={placement!r})) as its stage {stage} of {len(stage_ranks)}: pass "
+                    "partition(model, rank, nranks, ...) the rank's index in the pipeline's group and the group's "
+                    "size, with the placement the schedule uses")
+    cuts = {(part[1], part[2]) for held in parts for part in held if part is not None}
+    if len(cuts) > 1:
+        raise ConfigurationError(
+            f"the pipeline's ranks were given parts of different splits of the model (balance by part: "
+            f"{sorted(cut[1] for cut in cuts)}): some layers would run twice or not at all. Pass every rank the same "
+            "balance (partition's default balances by parameter count, the same everywhere for the same model)")
+
+
 class Pipeline(Tracing):
     """This rank's stages of a pipeline run over ``process_group`` with a given schedule.
 
@@ -148,13 +197,23 @@ class Pipeline(Tracing):
         dp_group: Optional[dist.ProcessGroup] = None,
         count_activations: bool = False,
     ) -> None:
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ConfigurationError(f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
-        modules = _as_modules(module)
-        self.virtual_stages = _stages_per_rank(schedule, virtual_stages, modules)
-        checkpoint = check_checkpoint(checkpoint)
         if not dist.is_initialized():
             raise ConfigurationError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+        modules = _as_modules(module)
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        problem: Optional[Exception] = None
+        try:  # bad arguments on some ranks only are named on every rank (see _agree), not only where they were given
+            if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+                raise ConfigurationError(
+                    f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
+            self.virtual_stages = _stages_per_rank(schedule, virtual_stages, modules)
+            checkpoint = check_checkpoint(checkpoint)
+        except ConfigurationError as error:
+            problem = error
+        agreed = _agree(self.group, problem, dict(
+            chunks=chunks, schedule=schedule, virtual_stages=len(modules), batch_dim=batch_dim,
+            broadcast_outputs=broadcast_outputs, variable_messages=variable_messages,
+            deferred_batch_norm=deferred_batch_norm), [getattr(m, PART_ATTRIBUTE, None) for m in modules])
         if deferred_batch_norm:
             modules = [DeferredBatchNorm.convert_deferred_batch_norm(m) for m in modules]
         self.modules = modules
@@ -167,9 +226,9 @@ class Pipeline(Tracing):
         self.schedule = schedule
         self.spec = ALL_SCHEDULES[schedule]
         self.broadcast_outputs = broadcast_outputs
-        self.group = process_group if process_group is not None else dist.group.WORLD
         refuse_failed_group(self.group)
         self._place()
+        _check_parts(agreed, self.stage_ranks)
         self.skip_layout = self._skip_layout(modules)
         device = device if device is not None else _device_of(modules, self.group)
         self._build_stages(modules, checkpoint, device, dp_group, count_activations)
@@ -325,10 +384,13 @@ class Pipeline(Tracing):
     def _check_label_sizes(self, labels: tuple, sizes: Sequence[int]) -> None:
         got = microbatch_sizes(batch_size_of(labels, self.batch_dim), len(sizes))
         if got != list(sizes):
-            raise ConfigurationError(
-                f"labels split into microbatches of sizes {got} but the inputs into {list(sizes)}; "
-                "labels need the inputs' batch size along batch_dim"
-            )
+            message = (f"labels split into microbatches of sizes {got} but the inputs into {list(sizes)}; "
+                       "labels need the inputs' batch size along batch_dim")
+            # found on the last stage, in the step: the other ranks wait for this one's messages (review RR: rank 0
+            # waited out the whole timeout), so they are told, as of a failing action
+            note_failed_group(self.group)
+            self.transport.errors.report(f"[pp_rank {self.pp_rank} | step {self._step}] ConfigurationError: {message}")
+            raise ConfigurationError(message)
 
     def _split_labels(self, labels: tuple, sizes: Sequence[int]) -> list:
         if not labels:

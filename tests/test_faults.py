@@ -17,9 +17,11 @@ from torch import nn
 from lightning_pipe import (
     ConfigurationError,
     GPipe,
+    Interleaved1F1B,
     PipeDream,
     PipelineAbortedError,
     PipelineStepError,
+    ZeroBubbleV,
     partition,
 )
 from tests import distributed
@@ -100,6 +102,49 @@ def _arity_mismatch(rank, world, schedule):
     return _outcome(lambda: _step(pipe, torch.randn(4, 4), torch.randn(4, 4), 1))
 
 
+def _uneven(rank, world, case):
+    """Review RR: ranks given arguments or parts that do not make one pipeline. Each case gets a fresh group."""
+    group = dist.new_group(list(range(world)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4 * world)])
+    timeout = timedelta(seconds=HANG_BOUND_S)
+
+    def build():
+        if case == "balance":  # rank 0 cuts [4, 4, ...], the others [3, 4, ..., 5]: layers run twice or not at all
+            balance = [4] * world if rank == 0 else [3] + [4] * (world - 2) + [5]
+            return PipeDream(partition(model, rank, world, balance=balance), chunks=2, process_group=group)
+        if case == "nranks":  # partition(model, rank, world + 1): the last part is never run
+            return PipeDream(partition(model, rank, world + 1), chunks=2, process_group=group)
+        if case == "same_part":  # every rank given part 0
+            return PipeDream(partition(model, 0, world), chunks=2, process_group=group)
+        if case == "placement":  # ZB-V given the loop placement's parts
+            return ZeroBubbleV(partition(model, rank, world, num_model_chunks=2), chunks=2 * world,
+                               process_group=group, timeout=timeout)
+        if case == "chunks":  # the step's header would not pair (a gloo rank aborted)
+            return PipeDream(partition(model, rank, world), chunks=2 + rank, process_group=group)
+        if case == "virtual":  # a hang: the ranks built other stage tables
+            v = 2 if rank == 0 else 4
+            return Interleaved1F1B(partition(model, rank, world, num_model_chunks=v), chunks=2 * world,
+                                   process_group=group)
+        if case == "bad_arg_one_rank":
+            return PipeDream(partition(model, rank, world), chunks=0 if rank == world - 1 else 2, process_group=group)
+        pipe = PipeDream(partition(model, rank, world), chunks=2, process_group=group, timeout=timeout)
+        pipe.forward_backward(torch.randn(8, 4), criterion=nn.functional.mse_loss, labels=(torch.randn(6, 4),))
+
+    return _outcome(build)
+
+
+UNEVEN = {  # case -> what every rank is told (the rank given a bad argument: its own error)
+    "balance": "were given parts of different splits of the model",
+    "nranks": "pipeline rank 0 was given part 0 of a model cut into",  # world + 1 parts
+    "same_part": "pipeline rank 1 was given part 0 of a model cut into",
+    "placement": "placement='loop')) as its stage",
+    "chunks": "were given different chunks: [2, 3",
+    "virtual": "were given different virtual_stages: [2, 4",
+    "bad_arg_one_rank": "refused its arguments: chunks (the number of microbatches) must be a positive integer, got 0",
+}
+
+
 def _healthy(rank, world):
     """After all the failures, a fresh pipeline in the same processes still trains."""
     group = dist.new_group(list(range(world)))
@@ -125,6 +170,8 @@ def _all_cases(rank, world, failure_cases):
     for schedule in PIPELINES:
         results[("zero_chunks", schedule)] = _zero_chunks(rank, world, schedule)
         results[("arity", schedule)] = _arity_mismatch(rank, world, schedule)
+    for case in [*UNEVEN, "labels"]:
+        results[("uneven", case)] = _uneven(rank, world, case)
     results[("healthy",)] = _healthy(rank, world)
     return results
 
@@ -193,6 +240,35 @@ def test_stage_arity_mismatch_fails_on_every_rank(outcomes, schedule):
         else:
             assert kind == "PipelineAbortedError", (rank, kind, message)
             assert expected in message and "pp_rank 1" in message, message
+
+
+@pytest.mark.parametrize("case", sorted(UNEVEN))
+def test_ranks_given_arguments_or_parts_that_make_no_one_pipeline_fail_together_at_construction(outcomes, case):
+    """Regression (review RR): these trained a model with layers missing or twice without a word (balance, nranks,
+    same_part, placement), aborted a gloo rank (chunks), hung (virtual), or named the bad argument on its rank only
+    while the others got gloo's "Connection reset by peer" (bad_arg_one_rank)."""
+    world, results, _ = outcomes
+    for rank in range(world):
+        kind, message, seconds = results[rank][("uneven", case)]
+        assert seconds < HANG_BOUND_S / 2, (rank, seconds)
+        assert kind in ("ConfigurationError", "PartitionError"), (rank, kind, message)
+        if case == "nranks":
+            assert f"cut into {world + 1} (partition(..., placement='loop')) as its stage 0 of {world}" in message
+        if case == "bad_arg_one_rank" and rank == world - 1:
+            assert message == "chunks (the number of microbatches) must be a positive integer, got 0"
+        else:
+            assert UNEVEN[case] in message, (rank, message)
+
+
+def test_labels_of_another_batch_size_stop_every_rank_quickly(outcomes):
+    """Regression (review RR): the last stage refused them before its first action, and rank 0 waited out the
+    whole timeout for its messages."""
+    world, results, _ = outcomes
+    for rank in range(world):
+        kind, message, seconds = results[rank][("uneven", "labels")]
+        assert seconds < 10, (rank, seconds)
+        assert "labels split into microbatches of sizes [3, 3] but the inputs into [4, 4]" in message, (rank, message)
+        assert kind == ("ConfigurationError" if rank == world - 1 else "PipelineAbortedError"), (rank, kind)
 
 
 def test_processes_still_train_after_the_failures(outcomes):
