@@ -2,9 +2,9 @@
 
     python examples/stdlib_lm/train.py fit --config examples/stdlib_lm/config.yaml
 
-Importing :mod:`lightning_pipe` registers the strategy names ``pipe``, ``pipe_1f1b`` and
-``pipe_gpipe``, so ``--trainer.strategy=pipe`` works as well as the ``class_path`` form in the
-config. Lightning's launcher re-runs this script once per rank.
+Importing :mod:`lightning_pipe` registers the strategy names ``pipe`` and one per schedule
+(``pipe_1f1b``, ``pipe_gpipe``, ``pipe_zb_h1``, ... as README.md lists them), so
+``--trainer.strategy=pipe`` works as well as the ``class_path`` form in the config. Lightning's launcher re-runs this script once per rank.
 """
 
 import os
