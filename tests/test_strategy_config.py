@@ -156,6 +156,12 @@ def test_a_released_body_fails_loudly_and_cannot_be_split_again():
     ({"timeout": "30s"}, r"timeout='30s'\): give a datetime.timedelta or a positive number of seconds"),
     ({"timeout": -1}, r"timeout=-1\): give a datetime.timedelta or a positive number of seconds"),
     ({"timeout": float("inf")}, r"timeout=inf\): give a datetime.timedelta or a positive number of seconds"),
+    # review SS: accepted here, then a bare TypeError at fit (balance) or taken as true (the flags)
+    ({"balance": 3}, r"balance=3\): give layer counts or one of \['parameters', 'time', 'memory', 'flops'\]"),
+    ({"balance": [2, 2.5]}, r"balance=\[2, 2.5\]\): give layer counts"),
+    ({"deferred_batch_norm": "yes"}, r"deferred_batch_norm='yes'\) takes True or False"),
+    ({"gather_full_model": "no"}, r"gather_full_model='no'\) takes True or False"),
+    ({"log_pipeline_metrics": 3}, r"log_pipeline_metrics=3\) takes True or False"),
 ])
 def test_bad_arguments_raise_named_errors(kwargs, message):
     with pytest.raises(ConfigurationError, match=message):

@@ -209,8 +209,14 @@ class PipeStrategy(DDPStrategy):
         self.log_pipeline_metrics, self.state_dict_type = log_pipeline_metrics, state_dict_type
         if state_dict_type not in (None, "full", "sharded"):
             raise ConfigurationError(f"PipeStrategy(state_dict_type={state_dict_type!r}): choose 'full' or 'sharded'")
-        if isinstance(balance, str) and balance not in profile.BALANCES:
+        counts = isinstance(balance, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool)
+                                                           for n in balance)
+        if balance is not None and not counts and not (isinstance(balance, str) and balance in profile.BALANCES):
             raise ConfigurationError(f"PipeStrategy(balance={balance!r}): give layer counts or one of {list(profile.BALANCES)}")
+        for name, flag in (("deferred_batch_norm", deferred_batch_norm), ("gather_full_model", gather_full_model),
+                           ("log_pipeline_metrics", log_pipeline_metrics)):
+            if not isinstance(flag, bool):
+                raise ConfigurationError(f"PipeStrategy({name}={flag!r}) takes True or False")
         self.split: Optional[SplitModel] = None
         self._pipeline: Optional[Pipeline] = None
         self._checkpoints: Optional[Checkpoints] = None
