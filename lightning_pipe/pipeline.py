@@ -208,8 +208,11 @@ class Pipeline(Tracing):
                     f"chunks (the number of microbatches) must be a positive integer, got {chunks!r}")
             self.virtual_stages = _stages_per_rank(schedule, virtual_stages, modules)
             checkpoint = check_checkpoint(checkpoint)
+            if not ALL_SCHEDULES[schedule].runs_on_nccl and dist.get_backend(self.group) == "nccl":
+                raise ConfigurationError(ALL_SCHEDULES[schedule].nccl_refusal())
         except ConfigurationError as error:
             problem = error
+        refuse_failed_group(self.group)  # reads the job's store only: before any message, as on every rank
         agreed = _agree(self.group, problem, dict(
             chunks=chunks, schedule=schedule, virtual_stages=len(modules), batch_dim=batch_dim,
             broadcast_outputs=broadcast_outputs, variable_messages=variable_messages,
@@ -226,7 +229,6 @@ class Pipeline(Tracing):
         self.schedule = schedule
         self.spec = ALL_SCHEDULES[schedule]
         self.broadcast_outputs = broadcast_outputs
-        refuse_failed_group(self.group)
         self._place()
         _check_parts(agreed, self.stage_ranks)
         self.skip_layout = self._skip_layout(modules)
@@ -247,8 +249,6 @@ class Pipeline(Tracing):
 
     def _place(self) -> None:
         """Which stages this rank runs, under the schedule's placement."""
-        if not self.spec.runs_on_nccl and dist.get_backend(self.group) == "nccl":
-            raise ConfigurationError(self.spec.nccl_refusal())
         self.ranks = dist.get_process_group_ranks(self.group)
         self.pp_rank = dist.get_rank(self.group)
         self.num_ranks = len(self.ranks)
@@ -386,10 +386,11 @@ class Pipeline(Tracing):
         if got != list(sizes):
             message = (f"labels split into microbatches of sizes {got} but the inputs into {list(sizes)}; "
                        "labels need the inputs' batch size along batch_dim")
-            # found on the last stage, in the step: the other ranks wait for this one's messages (review RR: rank 0
-            # waited out the whole timeout), so they are told, as of a failing action
-            note_failed_group(self.group)
-            self.transport.errors.report(f"[pp_rank {self.pp_rank} | step {self._step}] ConfigurationError: {message}")
+            if self.num_ranks > 1:  # found in the step: the other ranks wait for this one's messages (review RR: rank
+                # 0 waited out the whole timeout), so they are told, as of a failing action
+                note_failed_group(self.group)
+                self.transport.errors.report(f"[pp_rank {self.pp_rank} | step {self._step}] ConfigurationError: "
+                                             f"{message}")
             raise ConfigurationError(message)
 
     def _split_labels(self, labels: tuple, sizes: Sequence[int]) -> list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from typing import NamedTuple, Optional
 
 import pytest
@@ -446,21 +447,42 @@ def test_an_output_no_later_stage_uses_is_warned_about_once(schedule):
     assert distributed.run(_unused_output, 2, schedule) == [[], ["lightning_pipe: stage 1 computed no grad"]]
 
 
-def _pipeline_after_a_failed_step(rank: int, world: int) -> str:
+def _pipeline_after_a_failed_step(rank: int, world: int, peer_builds: bool) -> str:
     _in_place_first_layer(rank, world, "1f1b", "never", "add")  # fails on rank 1, aborts rank 0
+    if rank == 1 and not peer_builds:  # gone, or busy elsewhere
+        return "did not build"
+    start = time.monotonic()
     try:
         Pipeline(partition(mlp(num_layers=2), rank, world), chunks=2, schedule="1f1b")
     except ConfigurationError as error:
-        return str(error)
+        return f"{error} ({time.monotonic() - start:.1f} s)"
     return "built"
 
 
-def test_a_new_pipeline_on_a_group_a_step_failed_on_is_refused_on_every_rank():
+@pytest.mark.parametrize("peer_builds", [True, False])
+def test_a_new_pipeline_on_a_group_a_step_failed_on_is_refused_on_every_rank(peer_builds):
     """Regression (review S): after a failed step, a new Pipeline on the same process group waited for good (the
-    failed step's posted receives and sends pair with the new pipeline's by peer and tag)."""
-    results = distributed.run(_pipeline_after_a_failed_step, 2, timeout=60)
+    failed step's posted receives and sends pair with the new pipeline's by peer and tag). Review TT: it is refused
+    before the constructor's first collective, so also where the peer builds nothing."""
+    results = distributed.run(_pipeline_after_a_failed_step, 2, peer_builds, timeout=60)
+    refused = results if peer_builds else results[:1]
     assert all("a pipeline step on this process group failed in this process" in r and "new_group" in r
-               for r in results), results
+               and r.endswith("(0.0 s)") for r in refused), results
+
+
+def _labels_refused_on_one_rank(rank: int, world: int) -> str:
+    pipe = Pipeline(partition(mlp(num_layers=2), rank, world), chunks=2, schedule="1f1b")
+    x, y = _batch("mlp", 8, torch.Generator().manual_seed(3))
+    with pytest.raises(ConfigurationError, match="labels split into microbatches of sizes"):
+        pipe.forward_backward(x, criterion=nn.functional.mse_loss, labels=(y[:6],))
+    Pipeline(partition(mlp(num_layers=2), rank, world), chunks=2, schedule="1f1b")  # the group is not marked failed
+    return "built"
+
+
+def test_labels_of_another_batch_size_on_one_rank_leave_the_group_usable():
+    """Review TT: with one rank no message is in flight, so the refusal marks neither the group nor the process
+    failed (it did: every later Pipeline on the default group was refused)."""
+    assert distributed.run(_labels_refused_on_one_rank, 1) == ["built"]
 
 
 class _Refusing(nn.Module):

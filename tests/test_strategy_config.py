@@ -168,6 +168,19 @@ def test_bad_arguments_raise_named_errors(kwargs, message):
         PipeStrategy(**kwargs)
 
 
+def test_layer_counts_and_flags_from_configs_are_taken():
+    """Review TT: a balance given as any sequence of integers (a tuple, numpy's, a Hydra/OmegaConf ListConfig, here a
+    UserList) and numpy's bools are what configs pass; they were refused once PipeStrategy checked its arguments."""
+    import collections
+
+    import numpy as np
+
+    for balance in ((3, 5), np.array([3, 5]), collections.UserList([3, 5]), [np.int64(3), 5]):
+        strategy = PipeStrategy(balance=balance, deferred_batch_norm=np.True_)
+        assert strategy.balance == [3, 5] and type(strategy.balance[0]) is int
+    assert PipeStrategy(balance="flops").balance == "flops"
+
+
 def test_a_timeout_in_seconds_is_taken_as_a_timedelta():
     """Regression: a number (as a LightningCLI yaml gives it) reached init_process_group and failed there with
     torch's TypeError, after the processes had started."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import shutil
 import warnings
@@ -88,6 +89,18 @@ def _refuse_meta_tensors(state: Dict[str, Any]) -> None:
             "values, and checkpoint['state_dict'] already holds the whole model's (or, sharded, this process's part). "
             "Filter checkpoint['state_dict'] instead: {k: v for k, v in checkpoint['state_dict'].items() if k in keep}"
         )
+
+
+def _layer_counts(balance: Any) -> List[int]:
+    """``balance`` as a list of layer counts: any sequence of integers (a tuple, numpy's, OmegaConf's ListConfig as
+    Hydra passes it), refused with a ConfigurationError otherwise."""
+    try:
+        if isinstance(balance, (str, bytes, dict)) or any(isinstance(n, bool) for n in balance):
+            raise TypeError
+        return [operator.index(n) for n in balance]
+    except TypeError:
+        raise ConfigurationError(f"PipeStrategy(balance={balance!r}): give layer counts or one of "
+                                 f"{list(profile.BALANCES)}") from None
 
 
 class PipeStrategy(DDPStrategy):
@@ -209,13 +222,11 @@ class PipeStrategy(DDPStrategy):
         self.log_pipeline_metrics, self.state_dict_type = log_pipeline_metrics, state_dict_type
         if state_dict_type not in (None, "full", "sharded"):
             raise ConfigurationError(f"PipeStrategy(state_dict_type={state_dict_type!r}): choose 'full' or 'sharded'")
-        counts = isinstance(balance, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool)
-                                                           for n in balance)
-        if balance is not None and not counts and not (isinstance(balance, str) and balance in profile.BALANCES):
-            raise ConfigurationError(f"PipeStrategy(balance={balance!r}): give layer counts or one of {list(profile.BALANCES)}")
+        if balance is not None and not (isinstance(balance, str) and balance in profile.BALANCES):
+            self.balance = _layer_counts(balance)
         for name, flag in (("deferred_batch_norm", deferred_batch_norm), ("gather_full_model", gather_full_model),
                            ("log_pipeline_metrics", log_pipeline_metrics)):
-            if not isinstance(flag, bool):
+            if flag not in (True, False):  # numpy's bools too
                 raise ConfigurationError(f"PipeStrategy({name}={flag!r}) takes True or False")
         self.split: Optional[SplitModel] = None
         self._pipeline: Optional[Pipeline] = None
