@@ -237,6 +237,20 @@ def test_a_received_input_without_a_gradient_is_warned_about_unless_the_stage_pa
         assert len(warned) == (0 if passes_on else 1), warned
 
 
+def _stage_backward(stage, i: int, split: bool) -> None:
+    """Microbatch ``i``'s whole backward: one action, or its input part then its weight part."""
+    (stage.backward_input if split else stage.backward)(i, None)
+    if split:
+        stage.backward_weight(i)
+
+
+def _assert_same_state_and_grads(module: nn.Module, reference: nn.Module) -> None:
+    for (name, got), want in zip(module.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
+    for p, q in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_a_checkpointed_batch_norm_updates_its_statistics_once_per_microbatch(split):
     """Regression (review V): under checkpoint="always" a plain BatchNorm's recomputation in backward updated its
@@ -253,13 +267,8 @@ def test_a_checkpointed_batch_norm_updates_its_statistics_once_per_microbatch(sp
         x = torch.randn(5, 3)
         reference(x).sum().backward()
         stage.forward(i, (x.requires_grad_(),), 3, loss_fn=lambda i, out: out[0].sum())
-        (stage.backward_input if split else stage.backward)(i, None)
-        if split:
-            stage.backward_weight(i)
-    for (name, got), want in zip(module.state_dict().items(), reference.state_dict().values()):
-        torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
-    for p, q in zip(module.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+        _stage_backward(stage, i, split)
+    _assert_same_state_and_grads(module, reference)
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -282,10 +291,5 @@ def test_a_recomputed_batch_norm_leaves_the_graph_of_an_uncheckpointed_microbatc
     for i, x in enumerate(xs):  # microbatch 0 checkpointed, microbatch 1 (the last) not
         stage.forward(i, (x.clone().requires_grad_(),), 2, loss_fn=lambda i, out: out[0].sum())
     for i in range(2):  # microbatch 0's backward recomputes, then microbatch 1's uses what its forward saved
-        (stage.backward_input if split else stage.backward)(i, None)
-        if split:
-            stage.backward_weight(i)
-    for (name, got), want in zip(module.state_dict().items(), reference.state_dict().values()):
-        torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
-    for p, q in zip(module.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+        _stage_backward(stage, i, split)
+    _assert_same_state_and_grads(module, reference)

@@ -433,16 +433,16 @@ class PipelinedLayerList(StandIn, nn.Module):
                 f"block {index} was called without a tensor as its first positional argument; under PipeStrategy "
                 "the hidden state is the first positional argument of every block call"
             )
-        if index == 0 and args[0].is_nested:  # made before the loop (later calls get stand-ins)
-            raise BodyCallError(
-                f"block {index} was given a nested tensor as its hidden state. torch's nn.TransformerEncoder makes one "
-                "in evaluation when it gets a `src_key_padding_mask` (its fast path, `enable_nested_tensor=True` by "
-                "default), deciding from its first layer, which only the first stage holds; under PipeStrategy the "
-                "hidden state crosses stages as one dense tensor. Build the encoder with `enable_nested_tensor=False` "
-                "(the outputs at padded positions are then computed instead of zeroed before `norm`; those at the "
-                "other positions, and a loss that ignores the padding, stay the same)"
-            )
         if index == 0:
+            if args[0].is_nested:  # made before the loop (later calls get stand-ins)
+                raise BodyCallError(
+                    "block 0 was given a nested tensor as its hidden state. torch's nn.TransformerEncoder makes one in "
+                    "evaluation when it gets a `src_key_padding_mask` (its fast path, `enable_nested_tensor=True` by "
+                    "default), deciding from its first layer, which only the first stage holds; under PipeStrategy the "
+                    "hidden state crosses stages as one dense tensor. Build the encoder with "
+                    "`enable_nested_tensor=False` (the outputs at padded positions are then computed instead of zeroed "
+                    "before `norm`; those at the other positions, and a loss that ignores the padding, stay the same)"
+                )
             self.refuse_changed_modes("the step", "before calling the blocks")
         if RemovableHandle.next_id != self._first_hook:  # a hook was registered somewhere since the step began
             _refuse_hooks_put_in_step(self.blocks[index], index, self._first_hook)

@@ -434,10 +434,9 @@ class PipeStrategy(DDPStrategy):
         if fitting and self.dp_size > 1:
             replicas.broadcast_from_replica_zero([*module.parameters(), *module.buffers()], self.dp_group)
         self._buffers_synced_next = fitting
-        if not any(isinstance(c, hooks.StepState) for c in trainer.callbacks):
-            trainer.callbacks.insert(0, hooks.StepState(self))
-        if not any(isinstance(c, hooks.FailTogether) for c in trainer.callbacks):
-            trainer.callbacks.insert(0, hooks.FailTogether(self))
+        for kind in (hooks.StepState, hooks.FailTogether):  # FailTogether first: before any callback's on_exception
+            if not any(isinstance(c, kind) for c in trainer.callbacks):
+                trainer.callbacks.insert(0, kind(self))
         if self._checkpoints is None or self._checkpoints.split is not self.split:
             self._checkpoints = Checkpoints(self.split, module, self.pp_group, self.pp_size, self.dp_rank)
         if fitting:
