@@ -248,7 +248,9 @@ class LogRecorder:
 
         As torchmetrics' own ``forward`` computes a batch's value from a state updated with the batch
         alone: each call of the step also updated a step state (:meth:`_follow`), which is computed
-        here without syncing (the other ranks are not computing it), the metric's own state kept.
+        here, the metric's own state kept. Synced, as ``forward`` syncs, only where the metric has
+        ``dist_sync_on_step``: over its ``process_group``, the replicas of this stage (PipeStrategy sets it), which
+        compute theirs here at the same point of the step.
         """
         if not self._called or any(called[path] != 1 for called in self._called) or path not in self._step_states:
             return None
@@ -256,7 +258,7 @@ class LogRecorder:
         kept = _state_of(metric)
         try:
             _set_state(metric, self._step_states[path])
-            metric._to_sync = False
+            metric._to_sync = metric.dist_sync_on_step
             value = metric.compute()
         finally:
             _set_state(metric, kept)
