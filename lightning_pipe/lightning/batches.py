@@ -10,7 +10,9 @@ or a sampler sharded by global rank (``trainer.global_rank``, ``dist.get_rank()`
 tells these apart from correct code, so the batches themselves are compared: each rank takes a
 fingerprint of its batch, the last stage's travels with the step's results (a few numbers per
 tensor, no extra message), and every other rank compares it with its own and raises
-:class:`~lightning_pipe.errors.BatchMismatchError` on a difference.
+:class:`~lightning_pipe.errors.BatchMismatchError` on a difference. The first batch of each loop is
+compared by every rank, before its step (:func:`check_together`), so that a batch sharded or drawn
+by process stops every rank with that error, the last stage's included.
 
 The fingerprint reads at most :data:`SAMPLES` evenly spaced values of each of the batch's first
 :data:`TENSORS` tensors (the values themselves, never a copy of the tensor), weighted by position
@@ -40,6 +42,7 @@ from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from lightning_pipe.errors import BatchMismatchError
 from lightning_pipe.microbatch import written_since
@@ -192,6 +195,26 @@ def same(a: Value, b: Value) -> bool:
         x == y or abs(x - y) <= tol * max(mx, my) for (x, mx, tol), (y, my, _) in zip(sums_a, sums_b))
 
 
+def check_together(mine: Fingerprint, group: Any, last: int, hook: str, step: int, global_ranks: List[int]) -> None:
+    """Compare every rank's fingerprint with the last stage's in one collective over the pipeline's ``group``; raise
+    :class:`BatchMismatchError` on every rank if any differs.
+
+    :func:`check` after each step raises on the ranks that differ only; the last stage, which went on, would meet
+    them next in a collective they never reach. A batch sharded or drawn by process differs from the first batch
+    on, so the first batch of each loop is compared here, before its step (``last``: the last stage's rank in
+    ``group``; ``global_ranks``: each group rank's global rank, for the message).
+    """
+    values: List[Optional[Value]] = [None] * len(global_ranks)
+    dist.all_gather_object(values, mine.value(), group=group)
+    reference = values[last]
+    differ = [global_ranks[r] for r, value in enumerate(values)
+              if value is not None and reference is not None and not same(value, reference)]
+    if differ:
+        raise BatchMismatchError(
+            f"{hook} at step {step}: the batches the processes of global ranks {differ} loaded differ from the one the "
+            f"last stage's process (global rank {global_ranks[last]}) loaded. {_FIX}")
+
+
 def check(mine: Fingerprint, last: Optional[Value], hook: str, step: int, rank: int, last_rank: int) -> None:
     """Raise :class:`BatchMismatchError` if this rank's batch is not the last stage's (``last``; None: not taken).
 
@@ -201,10 +224,11 @@ def check(mine: Fingerprint, last: Optional[Value], hook: str, step: int, rank: 
         return
     raise BatchMismatchError(
         f"{hook} at step {step}: the batch this process (global rank {rank}) loaded differs from the one the last "
-        f"stage's process (global rank {last_rank}) loaded. Every process of a pipeline must load the same batch: the "
-        "last stage would pair the body's outputs for one batch with another's labels. Shard data by replica, not by "
-        "process: Lightning's sampler does (`trainer.strategy.distributed_sampler_kwargs`); an IterableDataset or a "
-        "sampler of your own should use `trainer.strategy.dp_rank` and `trainer.strategy.dp_size` where it uses the "
-        "global rank and world size (`split_dataset_by_node` included), and a random transform must not be seeded "
-        "by process"
-    )
+        f"stage's process (global rank {last_rank}) loaded. {_FIX}")
+
+
+_FIX = ("Every process of a pipeline must load the same batch: the last stage would pair the body's outputs for one "
+        "batch with another's labels. Shard data by replica, not by process: Lightning's sampler does "
+        "(`trainer.strategy.distributed_sampler_kwargs`); an IterableDataset or a sampler of your own should use "
+        "`trainer.strategy.dp_rank` and `trainer.strategy.dp_size` where it uses the global rank and world size "
+        "(`split_dataset_by_node` included), and a random transform must not be seeded by process")

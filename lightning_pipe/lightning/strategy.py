@@ -421,6 +421,7 @@ class PipeStrategy(DDPStrategy):
         self._overlapped: Optional[set] = None  # parameters averaged over replicas inside the step (ids)
         self._overlap_decided = self._synced_in_step = False
         self._defer_fingerprint = True  # until a step is found to write into its batch (see training_step)
+        self._batches_agreed: set = set()  # the step hooks whose first batch every rank compared (see batches)
         self._runner.runs_whole_too = self.pp_size > 1 and self.is_first_stage and self.is_last_stage
         # where DDP's global rank 0 would run the code after the body (see .loggers)
         watch = self.pp_size > 1 and self.is_last_stage and self.dp_rank == 0 and self.global_rank != 0
@@ -584,6 +585,7 @@ class PipeStrategy(DDPStrategy):
         deferred = self.pp_size > 1 and not last
         loaded = batches.fingerprint(args[0], deferred=deferred and self._defer_fingerprint
                                      and not self._runner.first_training_step) if self.pp_size > 1 else None
+        self._agree_on_first_batch(loaded, "training_step")
         posted: list = []
         # a microbatch's slice counts its own writes, not the batch's tensor: the pipeline noted the slices' versions
         idle = (lambda: posted.append(self._post_results()),
@@ -750,6 +752,15 @@ class PipeStrategy(DDPStrategy):
         """Post this rank's receive of the step's results ahead of them (see :func:`post_share`)."""
         return post_share(self._pipeline.transport, self.stage_ranks[-1]) if self.pp_size > 1 else None
 
+    def _agree_on_first_batch(self, loaded: Optional[batches.Fingerprint], hook: str) -> None:
+        """Before the first step of ``hook`` since setup: every rank of the pipeline compares its batch with the last
+        stage's, and all raise on a difference (after later steps, those that differ raise: see _share_results)."""
+        if loaded is None or hook in self._batches_agreed:
+            return
+        self._batches_agreed.add(hook)
+        batches.check_together(loaded, self.pp_group, self.stage_ranks[-1], hook, self.lightning_module.trainer.global_step,
+                               [r * self.dp_size + self.dp_rank for r in range(self.pp_size)])
+
     def _share_results(self, summary: Optional[tuple], posted: Any, hook: str,
                        loaded: Optional[batches.Fingerprint]) -> tuple:
         """Send the last stage's loss, logs, metric states and results to the whole pipeline; log them.
@@ -808,6 +819,7 @@ class PipeStrategy(DDPStrategy):
                 return getattr(self.lightning_module, hook)(*args)
         self._refresh_stale_copies(training=False)
         loaded = batches.fingerprint(args[0])
+        self._agree_on_first_batch(loaded, hook)
         posted = self._post_results()
         versions = self._effects.versions(self.lightning_module.parameters())
         with context:
