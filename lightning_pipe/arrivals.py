@@ -43,7 +43,8 @@ class _Link:
     :func:`~lightning_pipe.faults.end_helper_threads` ends it at exit (see there for why).
     """
 
-    def __init__(self, condition: threading.Condition, name: str) -> None:
+    def __init__(self, condition: threading.Condition, name: str, peer: int) -> None:
+        self.peer = peer  # the global rank whose messages it waits for (see end_helper_threads)
         self.queue: deque = deque()
         self.condition = condition
         self.name = name
@@ -103,10 +104,11 @@ class Arrivals:
         self._links: Dict[tuple, _Link] = {}
 
     def watch(self, link: tuple, works: list) -> Arrival:
-        """Start waiting for ``works`` (one message's) on ``link`` behind the link's earlier ones."""
+        """Start waiting for ``works`` (one message's) on ``link`` (the sender's global rank, the tag) behind the
+        link's earlier ones."""
         arrival = Arrival(works)
         if link not in self._links:
-            self._links[link] = _Link(self._condition, f"lightning_pipe-recv-{link}")
+            self._links[link] = _Link(self._condition, f"lightning_pipe-recv-{link}", link[0])
         self._links[link].add(arrival)
         return arrival
 

@@ -254,11 +254,13 @@ class _Waiter:
 
 
 # Objects whose helper threads end_helper_threads stops: this module's waiters and the receive
-# links of lightning_pipe.arrivals (each has ``stop()``, returning its thread or None).
+# links of lightning_pipe.arrivals (each has ``stop()``, returning its thread or None; a link also
+# ``peer``, the global rank it receives from).
 _helpers: "weakref.WeakSet" = weakref.WeakSet()
+_PEER_EXIT_SECONDS = 3.0  # at exit after a failure: how long a thread blocked on a higher rank may take to end
 
 
-def end_helper_threads(timeout: float = 1.0) -> None:
+def end_helper_threads(timeout: float = 1.0, after_failure: bool = False) -> None:
     """Stop this package's helper threads and wait up to ``timeout`` seconds for them to end.
 
     A helper thread is a daemon thread; one still running when the interpreter finalizes is
@@ -268,11 +270,26 @@ def end_helper_threads(timeout: float = 1.0) -> None:
     exception" (seen in a loop of 2-process fits: a link thread leaving on its idle timeout just as
     the interpreter finalized). So the threads drop each work as soon as it completed, and at exit
     they are ended here, while the interpreter still runs them normally.
+
+    ``after_failure``: on a rank that failed, a receive thread may be blocked on a message of a
+    peer that failed too; its wait returns (with an error) when that peer's process exits and its
+    connection closes, and the same abort follows if this interpreter is finalizing by then (seen
+    in 2 of 3 two-process fits where one rank raised). Where both wait for each other, the lower
+    global rank waits: threads blocked on a higher rank get up to :data:`_PEER_EXIT_SECONDS` to
+    end, the others ``timeout``, so the higher rank exits first while the lower one's threads are
+    still blocked on it, and theirs then return before the lower rank finalizes.
     """
-    threads = [thread for thread in (helper.stop() for helper in list(_helpers)) if thread is not None]
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.join(max(deadline - time.monotonic(), 0.0))
+    start = time.monotonic()
+    rank = dist.get_rank() if after_failure and dist.is_available() and dist.is_initialized() else None
+    waits = []
+    for helper in list(_helpers):
+        thread = helper.stop()
+        if thread is not None:
+            peer = getattr(helper, "peer", None)
+            waits.append((thread, _PEER_EXIT_SECONDS if rank is not None and peer is not None and peer > rank
+                          else timeout))
+    for thread, seconds in waits:
+        thread.join(max(start + seconds - time.monotonic(), 0.0))
 
 
 def end_launched_ranks(launcher: Any, grace_seconds: float = 5.0) -> None:
@@ -361,16 +378,17 @@ def end_process_groups(destroy: bool = True) -> None:
     one waits for its pending works, which may wait on a peer that is gone. NCCL groups are left
     to torch.
 
-    This package's helper threads are ended first (:func:`end_helper_threads`), except on a rank
-    that failed, where one may be blocked on a message that never comes.
+    This package's helper threads are ended first (:func:`end_helper_threads`); on a rank that
+    failed, where one may be blocked on a message that never comes, the wait is bounded by rank order
+    (see there).
 
     Args:
         destroy: False to only let the threads settle (the groups are someone else's to destroy).
     """
-    if not _exit["failed"] and not hasattr(sys, "last_value"):
-        end_helper_threads()
+    failed = _exit["failed"] or hasattr(sys, "last_value")
+    end_helper_threads(timeout=0.5 if failed else 1.0, after_failure=failed)
     time.sleep(_SETTLE_SECONDS)
-    if not destroy or _exit["failed"] or hasattr(sys, "last_value") or not (dist.is_available() and dist.is_initialized()):
+    if not destroy or failed or not (dist.is_available() and dist.is_initialized()):
         return
     if "nccl" in str(dist.get_backend()):
         return

@@ -257,7 +257,7 @@ class Transport:
             for recv in pending:
                 recv.works = [by_tensor[id(b)] for b in recv.buffers]
                 if self.arrivals is not None and recv.works:
-                    recv.arrival = self.arrivals.watch((recv.ops[0].peer, recv.ops[0].tag), recv.works)
+                    recv.arrival = self.arrivals.watch((self.ranks[recv.ops[0].peer], recv.ops[0].tag), recv.works)
         for op, work in zip(ops, works):
             if op.is_send:
                 # kept until the step ends: a gloo Work only learns it completed inside wait()

@@ -284,6 +284,19 @@ def test_an_error_on_one_rank_ends_every_process(failed_in_second_epoch):
     assert "because another rank failed: [pp_rank 1 | step" in reasons[1], reasons
 
 
+def test_ranks_stopped_by_an_error_exit_with_it_not_an_abort(tmp_path_factory):
+    """Regression (reviews UU, WW): after rank 1 raised in its step, a rank's receive thread, blocked on the other's
+    message, returned as that process exited and its connection closed; where this interpreter was finalizing by
+    then, the process aborted ("terminate called without an active exception", exit status 134 in 2 of 3 runs, the
+    message in 3 of 3). Now the lower rank lets such threads end before it finalizes, and the higher one exits first."""
+    code, seconds, survivors, output, _ = _fail(
+        tmp_path_factory, "raise_rank1", "--fail-rank", 1, "--fail-epoch", 0, "--fail-batch", 1,
+        "--strategy", "pipe", "--devices", 2,
+    )
+    assert code == 1 and "terminate called" not in output and not survivors, (code, survivors, output[-4000:])
+    assert stop_reasons(output)[1].endswith("RuntimeError: injected failure on global rank 1")
+
+
 @pytest.mark.parametrize("rank", [0, 1], ids=["first_stage_main_process", "last_stage_child"])
 def test_a_killed_rank_ends_every_process(tmp_path_factory, rank):
     """SIGKILL on a rank mid-epoch: no rank is left waiting, whether the dead one launched the others or not."""
