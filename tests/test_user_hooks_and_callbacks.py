@@ -13,7 +13,8 @@ Its ``main`` (``kind`` "pipe" or "ddp") runs in the shared launches of ``tests/l
 - ``ReduceLROnPlateau`` on a metric the last stage logs, ``LearningRateMonitor`` and
   ``GradientAccumulationScheduler`` run as under DDP (the learning rates are logged rows).
 
-LBFGS, stochastic weight averaging and pruning callbacks are refused at setup without a launch.
+LBFGS, ZeroRedundancyOptimizer, stochastic weight averaging and pruning callbacks are refused at setup
+without a launch.
 """
 
 from __future__ import annotations
@@ -237,13 +238,20 @@ def _setup(strategy, module, callbacks=()):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_lbfgs_is_refused_right_after_the_optimizer_is_built(rank):
+def test_lbfgs_and_zero_are_refused_right_after_the_optimizer_is_built(rank):
     """setup calls this check on every rank right after setup_optimizers, before the collectives that follow."""
     model = Model()
     strategy = _strategy(rank)
     strategy.optimizers = [torch.optim.LBFGS(model.parameters(), lr=0.5)]
     with pytest.raises(ConfigurationError, match=r"PipeStrategy does not support LBFGS: its step calls the closure "
                                                  r"several times .* Use a first-order optimizer"):
+        strategy._refuse_unsupported_optimizers()
+    # regression (review VV): it trained, each process broadcasting stale copies of the other stages' layers
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    strategy.optimizers = [ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)]  # no group here: its type only
+    with pytest.raises(ConfigurationError, match=r"PipeStrategy does not support ZeroRedundancyOptimizer: it shards "
+                                                 r".* use the optimizer ZeroRedundancyOptimizer wraps"):
         strategy._refuse_unsupported_optimizers()
     strategy.optimizers = [torch.optim.SGD(model.parameters(), lr=0.5)]
     strategy._refuse_unsupported_optimizers()

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,19 @@ def _layer_counts(balance: Any) -> List[int]:
     except TypeError:
         raise ConfigurationError(f"PipeStrategy(balance={balance!r}): give layer counts or one of "
                                  f"{list(profile.BALANCES)}") from None
+
+
+@contextmanager
+def _released_states_set_aside(optimizers: Sequence[Any]) -> Iterator[None]:
+    """Lightning moves every optimizer state to a device (at setup, at teardown). An optimizer that builds its
+    state when it is constructed (Adagrad's sums) holds some for other stages' parameters too, on the meta device,
+    which cannot be copied (nor is it used here, or saved): it is set aside meanwhile."""
+    aside = [(o, {p: o.state.pop(p) for p in list(o.state) if getattr(p, "is_meta", False)}) for o in optimizers]
+    try:
+        yield
+    finally:
+        for optimizer, states in aside:
+            optimizer.state.update(states)
 
 
 class PipeStrategy(DDPStrategy):
@@ -476,7 +489,8 @@ class PipeStrategy(DDPStrategy):
             trainer.callbacks.append(hooks.BodySwap(self, whole=False))
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            with _released_states_set_aside(self.optimizers):
+                _optimizers_to_device(self.optimizers, self.root_device)
 
     def _refuse_unsupported_callbacks(self, trainer: Any) -> None:
         """Callbacks that cannot run on a split module: refused on every rank, before any collective."""
@@ -505,7 +519,16 @@ class PipeStrategy(DDPStrategy):
         refuses them before its first collective)."""
         if self.pp_size == 1:
             return
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         for optimizer in self._bare_optimizers():
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                raise ConfigurationError(
+                    "PipeStrategy does not support ZeroRedundancyOptimizer: it shards the optimizer's state over its "
+                    "process group (every process by default) and each process then broadcasts the parameters it "
+                    "updated, while the processes of a pipeline hold different stages: each would overwrite the others' "
+                    "layers with stale copies. Each stage's optimizer already updates only that stage's layers; use the "
+                    "optimizer ZeroRedundancyOptimizer wraps (its optimizer_class) directly, or train with pipe_size=1")
             if isinstance(optimizer, torch.optim.LBFGS):
                 raise ConfigurationError(
                     f"PipeStrategy does not support {type(optimizer).__name__}: its step calls the closure several "
@@ -1114,11 +1137,13 @@ class PipeStrategy(DDPStrategy):
             elif not fitting and self.gather_full_model:
                 gather_whole_model(self, self._checkpoints)  # evaluation left the weights as they were
         if module is None:
-            return super().teardown()
+            with _released_states_set_aside(self.optimizers):
+                return super().teardown()
         self._move_materialized(torch.device("cpu"))  # Lightning's teardown calls module.cpu(), which meta refuses
         self._lightning_module = None
         try:
-            super().teardown()
+            with _released_states_set_aside(self.optimizers):
+                super().teardown()
         finally:
             self._lightning_module = module
 
