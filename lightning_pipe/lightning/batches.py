@@ -10,9 +10,10 @@ or a sampler sharded by global rank (``trainer.global_rank``, ``dist.get_rank()`
 tells these apart from correct code, so the batches themselves are compared: each rank takes a
 fingerprint of its batch, the last stage's travels with the step's results (a few numbers per
 tensor, no extra message), and every other rank compares it with its own and raises
-:class:`~lightning_pipe.errors.BatchMismatchError` on a difference. The first batch of each loop is
-compared by every rank, before its step (:func:`check_together`), so that a batch sharded or drawn
-by process stops every rank with that error, the last stage's included.
+:class:`~lightning_pipe.errors.BatchMismatchError` on a difference. The first batch of each step
+hook (``training_step``, ``validation_step``, ...) since the strategy's setup is compared by every
+rank, before its step (:func:`check_together`), so that a batch sharded or drawn by process stops
+every rank with that error, the last stage's included.
 
 The fingerprint reads at most :data:`SAMPLES` evenly spaced values of each of the batch's first
 :data:`TENSORS` tensors (the values themselves, never a copy of the tensor), weighted by position
@@ -201,8 +202,8 @@ def check_together(mine: Fingerprint, group: Any, last: int, hook: str, step: in
 
     :func:`check` after each step raises on the ranks that differ only; the last stage, which went on, would meet
     them next in a collective they never reach. A batch sharded or drawn by process differs from the first batch
-    on, so the first batch of each loop is compared here, before its step (``last``: the last stage's rank in
-    ``group``; ``global_ranks``: each group rank's global rank, for the message).
+    on, so PipeStrategy compares the first batch of each step hook here, before its step (``last``: the last stage's
+    rank in ``group``; ``global_ranks``: each group rank's global rank, for the message).
     """
     values: List[Optional[Value]] = [None] * len(global_ranks)
     dist.all_gather_object(values, mine.value(), group=group)
