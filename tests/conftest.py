@@ -43,7 +43,7 @@ LM_LAUNCHES = {
     ],
     "world2": [
         _spec("llama_p2", "llama", "pipe", 2, schedule="gpipe", trace=[2, 2]), _spec("gpt2_p2", "gpt2", "pipe", 2, schedule="zb_h1"),
-        _spec("gpt2_zbh2", "gpt2", "pipe", 2, schedule="zb_h2"),
+        _spec("gpt2_zbh2", "gpt2", "pipe", 2, schedule="zb_h2"), _spec("gpt2_observed", "gpt2", "pipe", 2, observed=True),
         _spec("torch_encoder_zbv", "torch_encoder", "pipe", 2, schedule="zbv"),
         _spec("body_hooks_p2", "body_hooks", "pipe", 2), _spec("body_hooks_zbv", "body_hooks", "pipe", 2, schedule="zbv"),
         _spec("sum_p2", "sum", "pipe", 2, schedule="gpipe"), _spec("finetuned_p2", "finetuned", "pipe", 2, epochs=2),

@@ -45,9 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    BaseFinetuning, Callback, EarlyStopping, GradientAccumulationScheduler, ModelCheckpoint)
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities import grad_norm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -962,6 +964,8 @@ def run(spec: dict, root: str) -> dict:
         callbacks.append(GradientAccumulationScheduler({int(k): v for k, v in spec["accumulate"].items()}))
     if spec["case"] == "finetuned":
         callbacks.append(UnfreezeBody())
+    if spec.get("observed"):  # every rank must see the pipe/ metrics (it raises where one is not logged)
+        callbacks.append(EarlyStopping(monitor="pipe/step_seconds", patience=1000, check_on_train_epoch_end=True))
     if "trace" in spec:  # [first batch, number of batches]; the files go into the logger's folder
         callbacks.append(lightning_pipe.PipelineTrace(*spec["trace"]))
     plugins, precision = [], spec.get("precision", "64-true")
@@ -973,6 +977,8 @@ def run(spec: dict, root: str) -> dict:
         precision=precision, gradient_clip_val=spec.get("clip"),
         logger=CSVLogger(root, name=name, version=0), log_every_n_steps=1, callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0,
+        profiler=PyTorchProfiler(dirpath=os.path.join(root, name), filename="profile", export_to_chrome=False)
+        if spec.get("observed") else None,
     )
     train, val = loaders(CASES[spec["case"]][1])
     ckpt_path = spec.get("resume")

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Seque
 
 import torch
 import torch.distributed as dist
+from torch.autograd import _profiler_enabled  # the C++ profiler's state: ~0.2 µs to ask
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -670,15 +671,21 @@ class PipeStrategy(DDPStrategy):
         return {"loss": loss, **extras} if extras else loss
 
     def _log_step_metrics(self) -> None:
-        """Log the ``pipe/`` metrics of the step that just ran (see :mod:`.tracing`); global rank 0 logs."""
+        """Log the ``pipe/`` metrics of the step that just ran (see :mod:`.tracing`), replica 0's, on every rank.
+
+        Measured on global rank 0 and shared with every rank (one broadcast every ``log_every_n_steps``), so that
+        each rank's ``callback_metrics`` hold the same keys and values, as every DDP rank holds every key it logs: a
+        callback monitoring one (``EarlyStopping``, ``ModelCheckpoint``) decides alike on every rank.
+        """
         executor = self._pipeline.executor
         records = self._pipeline.gather_trace(executor.recorder.records[-1:])
         if isinstance(executor.recorder, _OneStep):
             executor.recorder = None
+        shared = [None]
         if records is not None and self.global_rank == 0:
-            batch_size = sum(self._pipeline.last_sizes) * self.dp_size
-            self.lightning_module.log_dict(tracing.step_metrics(records, batch_size), on_step=True, on_epoch=False,
-                                           rank_zero_only=True)
+            shared[0] = tracing.step_metrics(records, sum(self._pipeline.last_sizes) * self.dp_size)
+        dist.broadcast_object_list(shared, src=0)
+        self.lightning_module.log_dict(shared[0], on_step=True, on_epoch=False)
 
     def _zeroed_after_step(self, trainer: Any) -> bool:
         """Whether the gradients present now are the last optimizer step's, which Lightning zeroes right after
@@ -800,8 +807,11 @@ class PipeStrategy(DDPStrategy):
             mine = loaded.value() if loaded is not None else None
             payload = (summary, logs.metric_states(module, self.split.path), trainer.should_stop, mine)
         if self.pp_size > 1:
-            # not waited for until the next step's sends are: every other rank takes it in this step
-            payload = share_object(payload, self._pipeline.transport, self.stage_ranks[-1], posted, wait=False)
+            # not waited for until the next step's sends are: every other rank takes it in this step. Except under a
+            # torch profiler: a gloo work that completes after the profiler session it began in was replaced by
+            # another (Lightning's profiler="pytorch" starts one per loop) crashed torch (SIGSEGV, review ZZ)
+            payload = share_object(payload, self._pipeline.transport, self.stage_ranks[-1], posted,
+                                   wait=_profiler_enabled())
         (loss, calls, extras, normalizer), metric_states, should_stop, theirs = payload
         if not last:
             batches.check(loaded, theirs, hook, trainer.global_step, self.global_rank,
