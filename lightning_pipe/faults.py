@@ -257,7 +257,7 @@ class _Waiter:
 # links of lightning_pipe.arrivals (each has ``stop()``, returning its thread or None; a link also
 # ``peer``, the global rank it receives from).
 _helpers: "weakref.WeakSet" = weakref.WeakSet()
-_PEER_EXIT_SECONDS = 3.0  # at exit after a failure: how long a thread blocked on a higher rank may take to end
+_PEER_EXIT_SECONDS = 4.0  # at exit after a failure: how long a thread blocked on a higher rank may take to end
 
 
 def end_helper_threads(timeout: float = 1.0, after_failure: bool = False) -> None:
@@ -274,10 +274,12 @@ def end_helper_threads(timeout: float = 1.0, after_failure: bool = False) -> Non
     ``after_failure``: on a rank that failed, a receive thread may be blocked on a message of a
     peer that failed too; its wait returns (with an error) when that peer's process exits and its
     connection closes, and the same abort follows if this interpreter is finalizing by then (seen
-    in 2 of 3 two-process fits where one rank raised). Where both wait for each other, the lower
-    global rank waits: threads blocked on a higher rank get up to :data:`_PEER_EXIT_SECONDS` to
-    end, the others ``timeout``, so the higher rank exits first while the lower one's threads are
-    still blocked on it, and theirs then return before the lower rank finalizes.
+    in 2 of 3 two-process fits where one rank raised). So such threads are waited for too: a rank
+    whose peer exits soon finds them ended. Where two ranks wait for each other, the lower global
+    rank waits longer: threads blocked on a higher rank get up to :data:`_PEER_EXIT_SECONDS` to
+    end, the others (blocked on a lower rank, or on a message whose sender is not recorded)
+    ``timeout``, so the higher rank exits first while the lower one is still alive, waiting, and
+    the lower one's threads then return before it finalizes.
     """
     start = time.monotonic()
     rank = dist.get_rank() if after_failure and dist.is_available() and dist.is_initialized() else None
@@ -386,7 +388,7 @@ def end_process_groups(destroy: bool = True) -> None:
         destroy: False to only let the threads settle (the groups are someone else's to destroy).
     """
     failed = _exit["failed"] or hasattr(sys, "last_value")
-    end_helper_threads(timeout=0.5 if failed else 1.0, after_failure=failed)
+    end_helper_threads(timeout=2.0 if failed else 1.0, after_failure=failed)
     time.sleep(_SETTLE_SECONDS)
     if not destroy or failed or not (dist.is_available() and dist.is_initialized()):
         return
