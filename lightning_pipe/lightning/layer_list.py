@@ -712,7 +712,9 @@ class HiddenStandIn(torch.Tensor):
             f"the loop used the output of block {block} for something other than the next block's input "
             f"({getattr(func, '__name__', func)}). Under PipeStrategy the hidden states between blocks stay on the "
             "stages that compute them: only the final block's output reaches your code. Code using per-block "
-            "outputs (hidden states collected per layer, a residual around the call) must move into the blocks"
+            "outputs (hidden states collected per layer, a residual around the call) must move into the blocks. "
+            f"(If the loop stopped after block {block}, before the body's last block, every block must run, in order, "
+            "once per call: a loop over part of the list, or one that breaks early, is not supported)"
         )
 
     def __repr__(self) -> str:
