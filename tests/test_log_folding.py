@@ -18,6 +18,7 @@ from lightning_pipe import ConfigurationError
 from lightning_pipe.lightning.effects import StepEffects
 from lightning_pipe.lightning.logs import LogRecorder
 from lightning_pipe.lightning.losses import merge
+from tests import distributed
 
 SIZES = [4, 3, 3]
 
@@ -289,6 +290,41 @@ def test_a_metric_value_logged_as_a_tensor_logs_the_metric_over_the_whole_batch(
     torch.testing.assert_close(calls["f1"]["value"], whole)
     assert not torch.allclose(calls["f1_scaled"]["value"], whole * 100)
     torch.testing.assert_close(module.f1.compute(), whole)  # its own state: every call, as one step's
+
+
+def _replica_with_its_own_microbatches(rank, world_size):
+    """Replica ``rank`` runs its batch of 6 in 2 microbatches (rank 0) or 1 (rank 1), as a short last batch may."""
+    from torchmetrics import MeanAbsoluteError
+
+    torch.manual_seed(0)
+    preds, target = torch.rand(world_size, 6), torch.rand(world_size, 6)
+    module = Module()
+    module.mae = MeanAbsoluteError(dist_sync_on_step=True)  # its process group: every rank here, the replicas
+    sizes = [3, 3] if rank == 0 else [6]
+
+    def step(module, i, size):
+        start = sum(sizes[:i])
+        module.log("mae", module.mae(preds[rank, start:start + size], target[rank, start:start + size]))
+        return _loss(i)
+
+    recorder = LogRecorder(module, "body")
+    with recorder.recording(microbatched=True):
+        for i, size in enumerate(sizes):
+            recorder.start_microbatch()
+            recorder.mark_loss(step(module, i, size))
+        (call,) = recorder.fold(sizes, sizes)
+    assert module.mae.dist_sync_on_step  # as the user made it, after the step
+    whole = (preds - target).abs().mean()  # DDP: each replica's one call syncs over both batches
+    return float(call["value"]), float(whole), float(module.mae.compute())
+
+
+def test_a_metric_synced_on_step_syncs_once_a_step_whatever_each_replicas_microbatches():
+    """Regression (review AAA): with a short last batch split into 2 microbatches on one replica and 1 on the
+    other, the Metric's forward synced in every microbatch, so the replicas called its collective a different number
+    of times and waited for each other for good. It syncs once a step now, its value over the step."""
+    results = distributed.run(_replica_with_its_own_microbatches, 2, timeout=60)
+    for logged, whole, epoch in results:
+        assert logged == pytest.approx(whole, rel=1e-6) and epoch == pytest.approx(whole, rel=1e-6)
 
 
 def test_a_metric_called_twice_in_a_step_logs_each_calls_own_value():

@@ -92,6 +92,7 @@ class LogRecorder:
     def __init__(self, module: nn.Module, body_path: str) -> None:
         self.module = module
         self.body_path = body_path
+        self._synced: set = set()  # paths of the Metrics whose value over a step is synced (see recording)
         self._calls: List[List[Dict[str, Any]]] = []
         self._called: List[Counter] = []  # per microbatch: how often it called each Metric (by path)
         self._step_states: Dict[str, tuple] = {}  # per Metric: its state over this step's calls alone
@@ -107,10 +108,21 @@ class LogRecorder:
         self.count_of: Callable[[torch.Tensor], Optional[torch.Tensor]] = lambda value: None
 
     @contextmanager
-    def recording(self) -> Iterator[None]:
-        """Catch the module's ``log`` calls (``log_dict`` goes through ``log``), and follow the Metrics' calls."""
+    def recording(self, microbatched: bool = False) -> Iterator[None]:
+        """Catch the module's ``log`` calls (``log_dict`` goes through ``log``), and follow the Metrics' calls.
+
+        ``microbatched``: the calls are a step's, run once per microbatch. A Metric that syncs its value on step
+        (``dist_sync_on_step``) then does not sync in each call: the replicas of a stage may split their batches into
+        different numbers of microbatches (a short last batch) and would call its collective a different number of
+        times, waiting for each other for good. Its value over the step is synced once instead (:meth:`_batch_value`),
+        where DDP's one call per step syncs it.
+        """
         self._calls, self._called, self._step_states = [], [], {}
         self._metric_paths = metric_paths(self.module, self.body_path)
+        self._synced = {path for path in set(self._metric_paths.values())
+                        if microbatched and self.module.get_submodule(path).dist_sync_on_step}
+        for path in self._synced:
+            self.module.get_submodule(path).dist_sync_on_step = False
         handles = []
         for path in set(self._metric_paths.values()) - (self._off_step - self._on_step):
             metric = self.module.get_submodule(path)
@@ -122,6 +134,8 @@ class LogRecorder:
             del self.module.log
             for handle in handles:
                 handle.remove()
+            for path in self._synced:
+                self.module.get_submodule(path).dist_sync_on_step = True
 
     def _follow(self, path: str) -> Any:
         """A Metric's forward hook: update its step state too, as its ``forward`` updates its batch state."""
@@ -224,9 +238,10 @@ class LogRecorder:
                 self._batch_size_kind[name] = kind
             value = call["value"]
             forward_of = {c.get("forward_of") for _, _, c in entries}
-            if len(forward_of) == 1 and None not in forward_of and len(entries) > 1:
+            if len(forward_of) == 1 and None not in forward_of and (len(entries) > 1 or forward_of <= self._synced):
                 # a Metric's value over each microbatch: one step over the batch logs its value over the batch,
-                # which no fold of the microbatches' values gives (a macro average, an F1 score)
+                # which no fold of the microbatches' values gives (a macro average, an F1 score); and is synced
+                # over the replicas where it syncs on step, whatever the number of microbatches
                 batch_value = self._batch_value(forward_of.pop())
                 if batch_value is not None and batch_value.shape == value.shape:
                     call["value"] = batch_value.to(value.device, value.dtype)
@@ -248,9 +263,9 @@ class LogRecorder:
 
         As torchmetrics' own ``forward`` computes a batch's value from a state updated with the batch
         alone: each call of the step also updated a step state (:meth:`_follow`), which is computed
-        here, the metric's own state kept. Synced, as ``forward`` syncs, only where the metric has
-        ``dist_sync_on_step``: over its ``process_group``, the replicas of this stage (PipeStrategy sets it), which
-        compute theirs here at the same point of the step.
+        here, the metric's own state kept. Synced, as ``forward`` syncs under DDP, only where the metric has
+        ``dist_sync_on_step`` (see :meth:`recording`): over its ``process_group``, the replicas of this stage
+        (PipeStrategy sets it), which compute theirs here at the same point of the step.
         """
         if not self._called or any(called[path] != 1 for called in self._called) or path not in self._step_states:
             return None
@@ -258,7 +273,7 @@ class LogRecorder:
         kept = _state_of(metric)
         try:
             _set_state(metric, self._step_states[path])
-            metric._to_sync = metric.dist_sync_on_step
+            metric._to_sync = path in self._synced
             value = metric.compute()
         finally:
             _set_state(metric, kept)

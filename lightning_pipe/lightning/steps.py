@@ -261,7 +261,7 @@ class StepRunner:
         """
         self.begin(hook, hook_args, pipeline)
         outputs = summary = None
-        with self.recorder.recording():
+        with self.recorder.recording(microbatched=True):
             per_microbatch = pipeline.forward_microbatches(*((batch,) if first else ()))
             if last:
                 parts = scatter((batch,), len(per_microbatch), pipeline.batch_dim)

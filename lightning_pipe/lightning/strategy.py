@@ -630,7 +630,7 @@ class PipeStrategy(DDPStrategy):
             # the modules used are learned from the first step; a global hook or mode would slow every later call
             calls = release.uses_recorded(module, self.split.path) if self._ties is None else nullcontext(set())
             versions = self._effects.versions(parameters)
-            with self._recorder.recording(), calls as self._called:
+            with self._recorder.recording(microbatched=True), calls as self._called:
                 loss, _ = self._pipeline.forward_backward(
                     *((args[0],) if first else ()), labels=(args[0],) if last else (), loss_reduction="sum",
                     criterion=self._runner.criterion if last and self.pp_size > 1 else None,  # one stage: FirstStage's loss
