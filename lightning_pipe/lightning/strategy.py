@@ -789,7 +789,7 @@ class PipeStrategy(DDPStrategy):
             return
         self._batches_agreed.add(hook)
         batches.check_together(loaded, self.pp_group, self.stage_ranks[-1], hook, self.lightning_module.trainer.global_step,
-                               [r * self.dp_size + self.dp_rank for r in range(self.pp_size)])
+                               self._pipeline.transport.ranks)
 
     def _share_results(self, summary: Optional[tuple], posted: Any, hook: str,
                        loaded: Optional[batches.Fingerprint]) -> tuple:
@@ -815,7 +815,7 @@ class PipeStrategy(DDPStrategy):
         (loss, calls, extras, normalizer), metric_states, should_stop, theirs = payload
         if not last:
             batches.check(loaded, theirs, hook, trainer.global_step, self.global_rank,
-                          self.stage_ranks[-1] * self.dp_size + self.dp_rank)
+                          self._pipeline.transport.ranks[self.stage_ranks[-1]])
             logs.load_metric_states(module, metric_states, self.root_device)
             trainer.should_stop = trainer.should_stop or should_stop
         logs.replay(module, calls, self.root_device)
