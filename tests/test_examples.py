@@ -102,7 +102,7 @@ def test_cli_with_shipped_config(tmp_path):
 def test_digits_unet_example_trains(tmp_path):
     """The U-Net on scikit-learn's bundled digits: skips across 2 stages, deferred BatchNorm,
     ``checkpoint="except_last"``; 2 epochs (44 steps) here, well past 0.8 validation accuracy
-    (the example's default 3 reach about 0.99)."""
+    (the example's default 15 reach about 0.99)."""
     import pytest
 
     pytest.importorskip("sklearn")  # load_digits reads data shipped inside scikit-learn, no download

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import re
 import runpy
 import sys
@@ -22,6 +23,12 @@ def _readme_table(call: str) -> str:
     match = re.search(re.escape(f">>> print(format_table({call}))") + r"\n((?:rank \d+:.*\n)+)", text)
     assert match, f"README.md no longer shows format_table({call})"
     return match.group(1).rstrip("\n")
+
+
+def test_readme_examples_run_as_doctests():
+    """Every ``>>>`` example in README.md prints what it shows (review GGG: two printed the closing fence too)."""
+    result = doctest.testfile(str(README), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 7 and result.failed == 0, result
 
 
 @pytest.mark.parametrize("argv, call", [
