@@ -786,3 +786,34 @@ def test_hooks_on_the_bodys_layers_get_one_warning_and_torchs_own_none():
             "backward hook `test_hooks_on_the_bodys_layers_get_one_warning_and_torchs_own_none.<locals>.<lambda>` on "
             "layer 3 (its `linear`)"]
     assert len(caught) == 2 and "records them only on that process" in str(caught[0].message)
+
+
+def test_a_released_module_given_a_blocks_stand_in_names_the_loop_that_stopped_early():
+    """Review HHH: a loop running fewer blocks from step 2 on (depth set in a hook) handed block 2's stand-in to
+    `self.head`, released on the first stage, and the error blamed the head's release and advised calling it in
+    every step; it now names the loop."""
+    from lightning_pipe import ConfigurationError
+    from lightning_pipe.lightning.release import refuse_calls
+
+    head = nn.Linear(3, 3)
+    refuse_calls(head, "head", "pipeline rank 0 (stage 0)")
+    with pytest.raises(BodyCallError, match=r"output of block 2 .*\(a call of self\.head\).* stopped after block 2"):
+        head(HiddenStandIn.of(torch.zeros(2, 3), 2))
+    with pytest.raises(ConfigurationError, match="released its weights"):  # any other input: as before
+        head(torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("kind", ["sequential", "layer_list"])
+def test_values_of_other_stages_layers_name_a_sequential_body_called_layer_by_layer(kind):
+    """Review HHH: a step looping over an nn.Sequential body's layers met the other stages' meta copies, and the
+    error spoke only of penalties on weights; for a Sequential body it now says to call it whole."""
+    from lightning_pipe.lightning.release import refuse_other_stages_values
+
+    module = nn.Module()
+    if kind == "sequential":
+        module.body = PipelinedSequential([OrderedDict(a=Block(), b=Block())], False, [0], 2)
+    else:
+        module.body, _ = stand_in(0, 2)
+    with pytest.raises(BodyCallError, match="meta copies") as raised:
+        refuse_other_stages_values(module, "body", "the step computed with a tensor on the meta device")
+    assert ("an nn.Sequential body is called whole (`self.body(x)`)" in str(raised.value)) == (kind == "sequential")

@@ -707,18 +707,28 @@ class HiddenStandIn(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        block = next((a._block for a in tree_flatten((args, kwargs))[0] if isinstance(a, HiddenStandIn)), "?")
-        raise BodyCallError(
-            f"the loop used the output of block {block} for something other than the next block's input "
-            f"({getattr(func, '__name__', func)}). Under PipeStrategy the hidden states between blocks stay on the "
-            "stages that compute them: only the final block's output reaches your code. Code using per-block "
-            "outputs (hidden states collected per layer, a residual around the call) must move into the blocks. "
-            f"(If the loop stopped after block {block}, before the body's last block, every block must run, in order, "
-            "once per call: a loop over part of the list, or one that breaks early, is not supported)"
-        )
+        refuse_stand_ins((args, kwargs), getattr(func, "__name__", func))
+        raise AssertionError("unreachable: a stand-in is among the arguments")
 
     def __repr__(self) -> str:
         return f"HiddenStandIn(block {self._block}, shape={tuple(self.shape)})"
+
+
+def refuse_stand_ins(values: Any, use: Any) -> None:
+    """Raise :class:`~lightning_pipe.errors.BodyCallError` if ``values`` (any pytree) hold a :class:`HiddenStandIn`:
+    the loop's output of a block, used for ``use`` (a torch function's name, a module call) instead of the next
+    block's input."""
+    block = next((a._block for a in tree_flatten(values)[0] if isinstance(a, HiddenStandIn)), None)
+    if block is None:
+        return
+    raise BodyCallError(
+        f"the loop used the output of block {block} for something other than the next block's input ({use}). Under "
+        "PipeStrategy the hidden states between blocks stay on the stages that compute them: only the final block's "
+        "output reaches your code. Code using per-block outputs (hidden states collected per layer, a residual around "
+        f"the call) must move into the blocks. (If the loop stopped after block {block}, before the body's last "
+        "block, every block must run, in order, once per call: a loop over part of the list, or one that breaks "
+        "early or runs fewer blocks in some steps, is not supported)"
+    )
 
 
 def _refuse_hooks_put_in_step(block: nn.Module, index: int, first: int) -> None:

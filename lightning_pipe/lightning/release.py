@@ -132,7 +132,10 @@ def refuse_other_stages_values(module: nn.Module, body_path: str, what: str, cau
         f"the layers of the other stages are meta copies here (no values), so a value computed from one (e.g. a penalty "
         f"on `self.{body_path}[0].weight`, or its norm logged, in the step on the last stage) cannot be computed. Use "
         "a layer's weights only inside the body, where its stage runs them; a penalty on weights can be the "
-        "optimizer's weight_decay"
+        "optimizer's weight_decay" + (
+            f". If the step calls the layers of `self.{body_path}` one by one (`for layer in self.{body_path}: x = "
+            f"layer(x)`): an nn.Sequential body is called whole (`self.{body_path}(x)`); blocks a loop calls belong "
+            "in an nn.ModuleList" if isinstance(stand_in, nn.Sequential) else "")
     ) from cause
 
 
@@ -150,6 +153,11 @@ def refuse_calls(module: nn.Module, path: str, where: str) -> object:
     name = f"self.{path}" if path else "the LightningModule"
 
     def refuse(m: nn.Module, args: tuple) -> None:
+        from lightning_pipe.lightning.layer_list import refuse_stand_ins  # imports this module
+
+        # given a block's stand-in output: the loop stopped before the body's last block (fewer blocks than in the
+        # first step), which is what to name, not this module's release
+        refuse_stand_ins(args, f"a call of {name}")
         raise ConfigurationError(
             f"{name} ({type(m).__name__}) was called on {where}, where PipeStrategy released its weights after the "
             "first training step: that step neither called it here nor computed a gradient for it here, so its memory "
