@@ -43,6 +43,13 @@ sends leaves D ms after the executor issues it (a thread per rank issues it then
 waits for its delayed sends to leave). Only our variants and no-comm run (torch's sends cannot be
 delayed the same way, so there is no y), and the simulated column uses D as each message's cost.
 
+The table's last column is each rank's median number of minor page faults per step: memory glibc
+returned to the OS and the step touched again (gradients allocated anew after ``zero_grad``, freed
+activations), each costing the rank about 1.7 µs here. ``--steady-allocator`` (measurement only)
+starts the ranks with glibc told to keep what it frees (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``), so that no variant pays them: what the comparison is without the
+allocator's part.
+
 Run: ``python benchmarks/pipeline_efficiency.py --quick`` (about 3 minutes on 2 cores).
 """
 
@@ -80,6 +87,9 @@ SEED = 0
 SHARED = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")  # schedules both libraries have
 SCHEDULES = SHARED + ("zb_h2",)  # ours
 VIRTUAL = {"interleaved_1f1b": 2}
+# --steady-allocator: glibc's largest fixed mmap threshold (32 MiB: gradients and activations come from the heap)
+# and a trim threshold no step reaches (freed memory stays mapped)
+STEADY_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,7 @@ class Config:
 DEFAULT = Config("default", 1024, 8, True, 256, 8)
 TINY = Config("tiny", 4, 4, False, 256, 64)
 
-Sample = Tuple[float, Optional[float]]  # a timed step on one rank: (seconds, busy fraction or None)
+Sample = Tuple[float, Optional[float], int]  # a timed step on one rank: (seconds, busy fraction or None, page faults)
 
 
 def build_model(config: Config) -> nn.Sequential:
@@ -284,10 +294,15 @@ def time_steps(step: Callable[[], Optional[float]], warmup: int, steps: int) -> 
     samples = []
     for _ in range(steps):
         dist.barrier()
-        begin = time.perf_counter()
+        faults, begin = _page_faults(), time.perf_counter()
         busy = step()
-        samples.append((time.perf_counter() - begin, busy))
+        samples.append((time.perf_counter() - begin, busy, _page_faults() - faults))
     return samples
+
+
+def _page_faults() -> int:
+    """This process's minor page faults so far: pages the allocator got back from the OS and touched anew."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def time_sequential(rank: int, config: Config, model, x, y, warmup: int, steps: int) -> Tuple[List[Sample], float]:
@@ -299,9 +314,9 @@ def time_sequential(rank: int, config: Config, model, x, y, warmup: int, steps: 
         for _ in range(warmup):
             sequential_step(model, x, y, config.num_microbatches)
         for _ in range(steps):
-            begin = time.perf_counter()
+            faults, begin = _page_faults(), time.perf_counter()
             sequential_step(model, x, y, config.num_microbatches)
-            samples.append((time.perf_counter() - begin, None))
+            samples.append((time.perf_counter() - begin, None, _page_faults() - faults))
     dist.barrier()
     return samples, (time.process_time() - cpu) / (time.perf_counter() - wall)
 
@@ -376,9 +391,15 @@ def step_times(per_rank: Dict[int, dict], name: str) -> List[float]:
 def busy_fractions(per_rank: Dict[int, dict], name: str) -> List[Optional[float]]:
     out = []
     for rank in sorted(per_rank):
-        values = [busy for _, busy in per_rank[rank]["samples"][name] if busy is not None]
+        values = [busy for _, busy, _ in per_rank[rank]["samples"][name] if busy is not None]
         out.append(statistics.median(values) if values else None)
     return out
+
+
+def page_faults(per_rank: Dict[int, dict], name: str) -> List[Optional[int]]:
+    """Per rank, the median minor page faults of a step (None where the rank timed none: the baseline's rank 1)."""
+    return [int(statistics.median(s[2] for s in per_rank[r]["samples"][name])) if per_rank[r]["samples"][name]
+            else None for r in sorted(per_rank)]
 
 
 def headline(medians: Dict[str, float], config: Config,
@@ -394,15 +415,17 @@ def headline(medians: Dict[str, float], config: Config,
 
 
 def format_table(per_rank, medians: Dict[str, float], torch_schedules: Tuple[str, ...] = SHARED) -> List[str]:
-    header = f"{'variant':<22} {'median ms/step':>14} {'p25-p75 ms':>15} {'vs sequential':>13}   busy (rank 0, rank 1)"
+    header = (f"{'variant':<22} {'median ms/step':>14} {'p25-p75 ms':>15} {'vs sequential':>13}   "
+              f"{'busy (rank 0, rank 1)':<22} page faults/step")
     lines = [header, "-" * len(header)]
     for name in variants(torch_schedules):
         times = sorted(step_times(per_rank, name))
         quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
         busy = busy_fractions(per_rank, name)
         busy_text = ", ".join(f"{b:.3f}" for b in busy) if all(b is not None for b in busy) else "-"
+        faults_text = ", ".join(str(f) for f in page_faults(per_rank, name) if f is not None)
         lines.append(f"{name:<22} {medians[name] * 1e3:>14.1f} {quartiles[0] * 1e3:>7.1f}-{quartiles[2] * 1e3:<7.1f}"
-                     f" {medians['sequential'] / medians[name]:>12.3f}x   {busy_text}")
+                     f" {medians['sequential'] / medians[name]:>12.3f}x   {busy_text:<22} {faults_text}")
     return lines
 
 
@@ -478,7 +501,8 @@ def summarize(per_rank, args: argparse.Namespace) -> List[str]:
         config.describe() + ("; ours waiting on the main thread (--main-thread-waits, measurement only)"
                              if args.main_thread_waits else "")
         + (f"; our sends delayed {args.message_delay_ms:g} ms (--message-delay-ms, measurement only; torch not run)"
-           if args.message_delay_ms else ""),
+           if args.message_delay_ms else "")
+        + ("; glibc keeping freed memory (--steady-allocator, measurement only)" if args.steady_allocator else ""),
         f"{rounds} rounds x ({args.warmup} warm-up + {args.steps} timed steps) per variant; median over "
         f"{rounds * args.steps} steps" + (" (stopped early: --max-seconds)" if rounds < args.rounds else ""),
         "", *format_table(per_rank, medians, torch_schedules), "",
@@ -503,6 +527,8 @@ def parse_args() -> argparse.Namespace:
                         help="measurement only: our waits block the main thread as torch's do (no fail-fast)")
     parser.add_argument("--message-delay-ms", type=float, default=0.0,
                         help="measurement only: our sends leave this late (a slow link); torch is not run")
+    parser.add_argument("--steady-allocator", action="store_true",
+                        help="measurement only: glibc keeps freed memory, so no variant page-faults it back each step")
     parser.add_argument("--max-seconds", type=float, help="start no new round after this long (default 600, --quick 150)")
     args = parser.parse_args()
     defaults = (6, 3, 1, 150.0) if args.quick else (20, 5, 1, 600.0)
@@ -543,6 +569,8 @@ def main() -> None:
     args = parse_args()
     start = time.perf_counter()
     monitor = LoadMonitor()
+    if args.steady_allocator:  # read by glibc when each rank's interpreter starts (mp.spawn starts new ones)
+        os.environ.update(STEADY_ALLOCATOR)
     per_rank: Dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as workdir:
         mp.spawn(rank_main, args=(NUM_RANKS, workdir, args), nprocs=NUM_RANKS, join=True)
