@@ -715,6 +715,14 @@ class ResidualLoop(LlamaStyle):
         return self.head(self.norm(x))
 
 
+class OwnAutocast(LlamaStyle):
+    """The body called under an autocast of the step's own (not the Trainer's precision)."""
+
+    def logits(self, tokens, embedding_gradient_factor=None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().logits(tokens, embedding_gradient_factor).float()
+
+
 class EmaInStep(NoiseBase):
     def __init__(self) -> None:
         super().__init__()
@@ -862,6 +870,7 @@ CASES = {
     "mode_in_step": (ModeInStep, "regression"), "finetuned": (FinetunedBody, "regression"), "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
     "failing_log": (lambda: FailingAfterBody("training"), "regression"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
+    "own_autocast": (OwnAutocast, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
     "unbalanced_pair": (lambda: Unbalanced(mixes=2), "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),

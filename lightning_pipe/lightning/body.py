@@ -44,6 +44,13 @@ from lightning_pipe.lightning.stale import Stale
 from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
 BODY_KINDS = (nn.Sequential, nn.ModuleList)
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """Per device type (cpu, cuda), the dtype autocast computes in, or None where it is off: what the body was
+    called under (the other stages run under the strategy's own state, see ``StepRunner.run``)."""
+    return tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in _AUTOCAST_DEVICES)
 
 
 # modules whose hooks on the body's layers are known to change values only (weight_norm, spectral_norm, pruning)
@@ -232,7 +239,7 @@ class StandIn:
         # Plain values straight into __dict__: nn.Module.__setattr__ first looks for a parameter, buffer or
         # submodule of each name, and this runs twice per microbatch on the critical path.
         self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0,
-                             grad_at_call=None, input_asks_grad=False,
+                             grad_at_call=None, autocast_at_call=None, input_asks_grad=False,
                              modes=self.training_modes() if mode in ("stop", "replace") else None)
 
     def every_layer(self) -> Sequence[nn.Module]:
@@ -431,6 +438,7 @@ class PipelinedSequential(StandIn, nn.Sequential):
         self.refuse_changed_modes("the step", "before calling it")
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
+        self.__dict__["autocast_at_call"] = autocast_state()  # and under an autocast of the step's own
         if self.mode == "replace":
             self.__dict__["input_asks_grad"] = torch.is_grad_enabled() and asks_for_gradient(inputs)  # see .steps
             outputs = self.replacement

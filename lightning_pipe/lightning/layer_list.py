@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.errors import BodyCallError
-from lightning_pipe.lightning.body import BodyReached, StandIn, asks_for_gradient
+from lightning_pipe.lightning.body import BodyReached, StandIn, asks_for_gradient, autocast_state
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
@@ -447,6 +447,7 @@ class PipelinedLayerList(StandIn, nn.Module):
         if RemovableHandle.next_id != self._first_hook:  # a hook was registered somewhere since the step began
             _refuse_hooks_put_in_step(self.blocks[index], index, self._first_hook)
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: blocks under no_grad
+        self.__dict__["autocast_at_call"] = autocast_state()  # and under an autocast of the step's own
         structure, tensors = self._split(args[1:], kwargs)
         if self.mode == "replace":
             if index == 0:  # see .steps: an autograd error through the body is explained only if the input asked

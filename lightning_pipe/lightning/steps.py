@@ -21,7 +21,7 @@ from lightning_pipe import rng
 from lightning_pipe.checkpoint import is_recomputing, should_checkpoint
 from lightning_pipe.errors import BodyCallError, ConfigurationError, SideEffectError
 from lightning_pipe.lightning import loggers, release
-from lightning_pipe.lightning.body import BodyReached, StandIn
+from lightning_pipe.lightning.body import BodyReached, StandIn, autocast_state
 from lightning_pipe.lightning.effects import StepEffects, refuse_changed_settings
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
 from lightning_pipe.lightning.losses import LossAccount, MeanTargets, Shapes, loss_of, merge
@@ -119,6 +119,7 @@ class StepRunner:
             if self.watch_loggers_on is not None and mode == "replace" else nullcontext()
         targets = self.targets.watching() if mode != "stop" and self.hook != "predict_step" else nullcontext()
         grad_on = torch.is_grad_enabled() and self.hook == "training_step"
+        autocast = autocast_state()  # the strategy's (Lightning's precision plugin's), under which every stage runs
         try:
             with watch, logging, targets:
                 with release.reads_recorded():
@@ -136,6 +137,7 @@ class StepRunner:
                             self.copies_batch = True  # from this step's next run on
                 if grad_on:
                     self._refuse_body_without_grad()
+                self._refuse_own_autocast(autocast)
                 output = unmark(output, f"returned by {self.hook}")
                 if self.stale is not None and self.stale.active():  # kept for later (shared at the epoch's end)
                     for name, value in self.effects.new_values(snapshot):
@@ -143,6 +145,7 @@ class StepRunner:
         except BodyReached:
             if grad_on:
                 self._refuse_body_without_grad()
+            self._refuse_own_autocast(autocast)
             self.stand_in.begin_step("local")
             self.recorder.discard_microbatch()  # the last stage logs; under ZB-V it is on this process too
             self.effects.after(self.hook, snapshot, last_stage=False)
@@ -176,6 +179,30 @@ class StepRunner:
                 "leaves them alone. To keep them fixed, freeze them instead (`self.body.requires_grad_(False)`) and "
                 "`.detach()` the body's input if nothing before it should train through it"
             )
+
+    def _refuse_own_autocast(self, outside: tuple) -> None:
+        """A step that calls the body under an autocast of its own (``with torch.autocast(...)`` around the body
+        call, in the step or in ``forward``), or with Lightning's switched off: only this process's stage would
+        run under it; the others run in the pipeline, outside the step, under the strategy's state ``outside``,
+        computing in another precision than one process (or failing on a dtype mismatch). Refuse it."""
+        inside = self.stand_in.autocast_at_call
+        if inside is None or inside == outside:
+            return
+        self.stand_in.begin_step("local")
+
+        def described(state: tuple) -> str:
+            on = [f"{device} {str(dtype).replace('torch.', '')}" for device, dtype in zip(("cpu", "cuda"), state)
+                  if dtype is not None]
+            return ", ".join(on) or "off"
+
+        raise ConfigurationError(
+            f"{self.hook} called the body `self.{self.body_path}` under autocast {described(inside)}, where the step "
+            f"itself runs under autocast {described(outside)}. Under PipeStrategy the body's stages run in the "
+            "pipeline, outside your step, under the step's own state, so only one stage would follow your autocast "
+            "and the others would compute in another precision than one process does. Set the precision on the "
+            "Trainer (precision='bf16-mixed' or '16-mixed': Lightning's autocast, which every stage runs under), or "
+            "enter torch.autocast inside the body's layers (in a block's forward)"
+        )
 
     def _refuse_updates_before_body(self, snapshot: Any, counts: Dict[str, int]) -> None:
         """On a process that runs the step up to the body and again whole, state grown before the body would
