@@ -47,6 +47,25 @@ def test_find_body_lists_the_candidates_when_ambiguous():
     assert find_body(TwoBodies(), "decoder")[0] == "decoder"
 
 
+def test_blocks_held_in_a_module_dict_are_named_instead_of_an_inner_list():
+    """Review HHH: blocks in an nn.ModuleDict (looped over with `.items()`) got the advice to pipeline one block's
+    inner Sequential (`body='layers.h0.mlp'`); the message now names the ModuleDict."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    class DictBlocks(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({f"h{i}": Block() for i in range(3)})
+
+    with pytest.raises(ConfigurationError, match=r"several bodies to choose from: \['layers.h0.mlp', .*; `self\.layers`, "
+                                                 r"which holds most of them, is an nn\.ModuleDict, which cannot be a body"):
+        find_body(DictBlocks())
+
+
 def test_a_body_compiled_whole_is_refused_and_compiled_blocks_are_taken():
     """Regression: `self.blocks = torch.compile(self.blocks)` stopped the first step with 'Tensor device mismatch'
     (its graph spans every layer, most of them meta on a stage), and a LightningModule given to fit compiled with

@@ -172,9 +172,16 @@ def _locate(module: nn.Module, body: Optional[str]) -> Tuple[str, nn.Module]:
     largest = max(candidates, key=lambda n: sum(p.numel() for p in module.get_submodule(n).parameters()))
     if 2 * sum(p.numel() for p in module.get_submodule(largest).parameters()) > total:
         return largest, module.get_submodule(largest)
+    # blocks held in an nn.ModuleDict (or another container) holding most of the parameters: its blocks' inner
+    # lists are the candidates, none of which is the body the user means
+    holders = [(n, m) for n, m in module.named_modules() if n and isinstance(m, (nn.ModuleDict, nn.ParameterList))
+               and 2 * sum(p.numel() for p in m.parameters()) > total]
+    hint = (f"; `self.{holders[-1][0]}`, which holds most of them, is an nn.{type(holders[-1][1]).__name__}, which "
+            "cannot be a body: hold its blocks in an nn.ModuleList (called in a loop) or an nn.Sequential") \
+        if holders else f". Name the one to pipeline with PipeStrategy(body=...), e.g. PipeStrategy(body={candidates[0]!r})"
     raise ConfigurationError(
         f"{type(module).__name__} has several bodies to choose from: {candidates}, none holding most of the "
-        f"parameters. Name the one to pipeline with PipeStrategy(body=...), e.g. PipeStrategy(body={candidates[0]!r})"
+        f"parameters{hint}"
     )
 
 
