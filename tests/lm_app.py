@@ -723,6 +723,17 @@ class OwnAutocast(LlamaStyle):
             return super().logits(tokens, embedding_gradient_factor).float()
 
 
+class FunctionalCall(LlamaStyle):
+    """The model called with parameters of the step's own (SAM's perturbed weights; here the same values)."""
+
+    def forward(self, tokens):
+        return LlamaStyle.logits(self, tokens)
+
+    def logits(self, tokens, embedding_gradient_factor=None):
+        params = {name: p * 1.0 for name, p in self.named_parameters()}
+        return torch.func.functional_call(self, params, (tokens,))
+
+
 class EmaInStep(NoiseBase):
     def __init__(self) -> None:
         super().__init__()
@@ -870,7 +881,7 @@ CASES = {
     "mode_in_step": (ModeInStep, "regression"), "finetuned": (FinetunedBody, "regression"), "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
     "failing_log": (lambda: FailingAfterBody("training"), "regression"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
-    "own_autocast": (OwnAutocast, "tokens"),
+    "own_autocast": (OwnAutocast, "tokens"), "functional_call": (FunctionalCall, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
     "unbalanced_pair": (lambda: Unbalanced(mixes=2), "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),

@@ -228,18 +228,25 @@ def test_a_loop_the_pipeline_cannot_reproduce_fails_on_every_rank_within_seconds
     assert "because another rank failed: [pp_rank 0 | step 0 | 0F0] BodyCallError" in reasons[1], output[-4000:]
 
 
-def test_a_body_called_under_the_steps_own_autocast_is_refused_on_every_rank(tmp_path_factory):
-    """`with torch.autocast(...)` around the body in the step (not the Trainer's precision): only the first stage
-    ran under it, and the second failed on "mat1 and mat2 must have the same dtype" (or, where a stage begins with
-    no matmul, would compute in another precision than one process)."""
+@pytest.mark.parametrize("case, refusal", [
+    # `with torch.autocast(...)` around the body in the step (not the Trainer's precision): only the first stage ran
+    # under it, and the second failed on "mat1 and mat2 must have the same dtype" (or, where a stage begins with no
+    # matmul, would compute in another precision than one process)
+    ("own_autocast", "called the body `self.layers` under autocast cpu bfloat16, where the step itself runs under "
+                     "autocast off"),
+    # review III: `torch.func.functional_call(self, params, ...)` in the step (SAM's perturbed weights): only the
+    # first stage's layers used the given parameters, the others their own; weights ended 1.85e-2 from DDP's
+    ("functional_call", "called the body `self.layers` with parameters of its own"),
+])
+def test_a_body_called_in_a_context_of_the_steps_own_is_refused_on_every_rank(tmp_path_factory, case, refusal):
+    """Only the first stage runs the body's layers inside the step: what the step puts around the call is refused."""
     code, seconds, survivors, output = launch_lm_app(
-        tmp_path_factory, "own_autocast", [dict(name="own", case="own_autocast", strategy="pipe", devices=2)],
-        expect_failure=True, timeout=120,
+        tmp_path_factory, case, [dict(name=case, case=case, strategy="pipe", devices=2)], expect_failure=True,
+        timeout=120,
     )
     assert code != 0 and not survivors, (survivors, output[-4000:])
     reasons = stop_reasons(output)
-    assert "ConfigurationError: training_step called the body `self.layers` under autocast cpu bfloat16, where the " \
-           "step itself runs under autocast off" in reasons[0], output[-4000:]
+    assert f"ConfigurationError: training_step {refusal}" in reasons[0], output[-4000:]
     assert "because another rank failed: [pp_rank 0 | step 0 | 0F0] ConfigurationError" in reasons[1], output[-4000:]
 
 

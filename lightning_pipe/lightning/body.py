@@ -47,6 +47,13 @@ BODY_KINDS = (nn.Sequential, nn.ModuleList)
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+def swapped_parameters(stand_in: nn.Module) -> bool:
+    """Whether some parameter of this rank's layers is a plain tensor at the body call: the step called the model
+    with parameters of its own (``torch.func.functional_call``, ``nn.utils.stateless``), which only this stage's
+    layers would use (the other stages run in the pipeline, outside the step)."""
+    return any(not isinstance(p, nn.Parameter) for p in stand_in.parameters())
+
+
 def autocast_state() -> tuple:
     """Per device type (cpu, cuda), the dtype autocast computes in, or None where it is off: what the body was
     called under (the other stages run under the strategy's own state, see ``StepRunner.run``)."""
@@ -246,7 +253,7 @@ class StandIn:
         # Plain values straight into __dict__: nn.Module.__setattr__ first looks for a parameter, buffer or
         # submodule of each name, and this runs twice per microbatch on the critical path.
         self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0,
-                             grad_at_call=None, autocast_at_call=None, input_asks_grad=False,
+                             grad_at_call=None, autocast_at_call=None, swapped_at_call=False, input_asks_grad=False,
                              modes=self.training_modes() if mode in ("stop", "replace") else None)
 
     def every_layer(self) -> Sequence[nn.Module]:
@@ -446,6 +453,7 @@ class PipelinedSequential(StandIn, nn.Sequential):
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
         self.__dict__["autocast_at_call"] = autocast_state()  # and under an autocast of the step's own
+        self.__dict__["swapped_at_call"] = swapped_parameters(self)  # or with parameters of its own
         if self.mode == "replace":
             self.__dict__["input_asks_grad"] = torch.is_grad_enabled() and asks_for_gradient(inputs)  # see .steps
             outputs = self.replacement

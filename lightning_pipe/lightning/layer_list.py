@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.errors import BodyCallError
-from lightning_pipe.lightning.body import BodyReached, StandIn, asks_for_gradient, autocast_state
+from lightning_pipe.lightning.body import BodyReached, StandIn, asks_for_gradient, autocast_state, swapped_parameters
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
@@ -448,6 +448,8 @@ class PipelinedLayerList(StandIn, nn.Module):
             _refuse_hooks_put_in_step(self.blocks[index], index, self._first_hook)
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: blocks under no_grad
         self.__dict__["autocast_at_call"] = autocast_state()  # and under an autocast of the step's own
+        if index == 0:
+            self.__dict__["swapped_at_call"] = swapped_parameters(self)  # or with parameters of its own
         structure, tensors = self._split(args[1:], kwargs)
         if self.mode == "replace":
             if index == 0:  # see .steps: an autograd error through the body is explained only if the input asked

@@ -137,7 +137,7 @@ class StepRunner:
                             self.copies_batch = True  # from this step's next run on
                 if grad_on:
                     self._refuse_body_without_grad()
-                self._refuse_own_autocast(autocast)
+                self._refuse_call_context(autocast)
                 output = unmark(output, f"returned by {self.hook}")
                 if self.stale is not None and self.stale.active():  # kept for later (shared at the epoch's end)
                     for name, value in self.effects.new_values(snapshot):
@@ -145,7 +145,7 @@ class StepRunner:
         except BodyReached:
             if grad_on:
                 self._refuse_body_without_grad()
-            self._refuse_own_autocast(autocast)
+            self._refuse_call_context(autocast)
             self.stand_in.begin_step("local")
             self.recorder.discard_microbatch()  # the last stage logs; under ZB-V it is on this process too
             self.effects.after(self.hook, snapshot, last_stage=False)
@@ -180,11 +180,22 @@ class StepRunner:
                 "`.detach()` the body's input if nothing before it should train through it"
             )
 
-    def _refuse_own_autocast(self, outside: tuple) -> None:
-        """A step that calls the body under an autocast of its own (``with torch.autocast(...)`` around the body
-        call, in the step or in ``forward``), or with Lightning's switched off: only this process's stage would
-        run under it; the others run in the pipeline, outside the step, under the strategy's state ``outside``,
-        computing in another precision than one process (or failing on a dtype mismatch). Refuse it."""
+    def _refuse_call_context(self, outside: tuple) -> None:
+        """A step that calls the body with parameters of its own (``functional_call``), or under an autocast of its
+        own (``with torch.autocast(...)`` around the body call, in the step or in ``forward``) or with Lightning's
+        switched off: only this process's stage would follow it; the others run in the pipeline, outside the step,
+        with their parameters and under the strategy's state ``outside``, computing something else than one process
+        (or failing on a dtype mismatch). Refuse it."""
+        if self.stand_in.swapped_at_call:
+            self.stand_in.begin_step("local")
+            raise ConfigurationError(
+                f"{self.hook} called the body `self.{self.body_path}` with parameters of its own in place of the "
+                "layers' (torch.func.functional_call, torch.nn.utils.stateless: perturbed weights as in SAM, "
+                "averaged weights evaluated). Under PipeStrategy the body's other stages run in the pipeline, outside "
+                "your step, with their own parameters, so only one stage would use the ones given. Not supported: "
+                "change the parameters themselves (and put them back) in a hook every process runs, such as "
+                "on_validation_start, not in the step"
+            )
         inside = self.stand_in.autocast_at_call
         if inside is None or inside == outside:
             return
