@@ -115,13 +115,12 @@ class Recomputation:
         self._inputs: tuple = ()
         self._count = 0  # tensors saved by the first forward
         self._tensors: Optional[List[torch.Tensor]] = None
-        self._autocast: list = []
+        self._autocast: tuple = ()
 
     def run(self, *inputs):
         """Run the forward, keeping only ``inputs`` (and handles) for the backward."""
         self._inputs = inputs
-        self._autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
-                          if torch.is_autocast_enabled(device)]
+        self._autocast = autocast_state()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), _phase("checkpointing"):
             return self.function(*inputs)
 
@@ -168,8 +167,14 @@ def _cuda_devices() -> list:
     return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
 
 
+def autocast_state() -> tuple:
+    """The autocast on now: ``(device type, dtype)`` for each device type (cpu, cuda) where it is enabled."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
+
+
 @contextmanager
-def _autocast(states: list) -> Iterator[None]:
+def _autocast(states: tuple) -> Iterator[None]:
     if not states:
         yield
         return

@@ -37,14 +37,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from lightning_pipe.checkpoint import checkpointed
+from lightning_pipe.checkpoint import autocast_state, checkpointed
 from lightning_pipe.errors import BodyCallError, ConfigurationError
 from lightning_pipe.lightning.release import reads_paused
 from lightning_pipe.lightning.stale import Stale
 from lightning_pipe.skip.tracker import current_tracker, use_tracker
 
 BODY_KINDS = (nn.Sequential, nn.ModuleList)
-_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def swapped_parameters(stand_in: nn.Module) -> bool:
@@ -52,12 +51,6 @@ def swapped_parameters(stand_in: nn.Module) -> bool:
     with parameters of its own (``torch.func.functional_call``, ``nn.utils.stateless``), which only this stage's
     layers would use (the other stages run in the pipeline, outside the step)."""
     return any(not isinstance(p, nn.Parameter) for p in stand_in.parameters())
-
-
-def autocast_state() -> tuple:
-    """Per device type (cpu, cuda), the dtype autocast computes in, or None where it is off: what the body was
-    called under (the other stages run under the strategy's own state, see ``StepRunner.run``)."""
-    return tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in _AUTOCAST_DEVICES)
 
 
 # modules whose hooks on the body's layers are known to change values only (weight_norm, spectral_norm, pruning)
@@ -179,9 +172,9 @@ def _locate(module: nn.Module, body: Optional[str]) -> Tuple[str, nn.Module]:
     largest = max(candidates, key=lambda n: sum(p.numel() for p in module.get_submodule(n).parameters()))
     if 2 * sum(p.numel() for p in module.get_submodule(largest).parameters()) > total:
         return largest, module.get_submodule(largest)
-    # blocks held in an nn.ModuleDict (or another container) holding most of the parameters: its blocks' inner
-    # lists are the candidates, none of which is the body the user means
-    holders = [(n, m) for n, m in module.named_modules() if n and isinstance(m, (nn.ModuleDict, nn.ParameterList))
+    # blocks held in an nn.ModuleDict holding most of the parameters: its blocks' inner lists are the candidates,
+    # none of which is the body the user means
+    holders = [(n, m) for n, m in module.named_modules() if n and isinstance(m, nn.ModuleDict)
                and 2 * sum(p.numel() for p in m.parameters()) > total]
     hint = (f"; `self.{holders[-1][0]}`, which holds most of them, is an nn.{type(holders[-1][1]).__name__}, which "
             "cannot be a body: hold its blocks in an nn.ModuleList (called in a loop) or an nn.Sequential") \

@@ -53,8 +53,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 from torch.utils.hooks import RemovableHandle
 
+from lightning_pipe.checkpoint import autocast_state
 from lightning_pipe.errors import BodyCallError
-from lightning_pipe.lightning.body import BodyReached, StandIn, asks_for_gradient, autocast_state, swapped_parameters
+from lightning_pipe.lightning.body import BodyReached, StandIn, asks_for_gradient, swapped_parameters
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 

@@ -18,15 +18,20 @@ import torch
 from torch import nn
 
 from lightning_pipe import rng
-from lightning_pipe.checkpoint import is_recomputing, should_checkpoint
+from lightning_pipe.checkpoint import autocast_state, is_recomputing, should_checkpoint
 from lightning_pipe.errors import BodyCallError, ConfigurationError, SideEffectError
 from lightning_pipe.lightning import loggers, release
-from lightning_pipe.lightning.body import BodyReached, StandIn, autocast_state
+from lightning_pipe.lightning.body import BodyReached, StandIn
 from lightning_pipe.lightning.effects import StepEffects, refuse_changed_settings
 from lightning_pipe.lightning.logs import LogRecorder, metric_paths
 from lightning_pipe.lightning.losses import LossAccount, MeanTargets, Shapes, loss_of, merge
 from lightning_pipe.lightning.stale import StaleCopies, unmark
 from lightning_pipe.microbatch import copy_tensors, scatter, tensor_versions, written_since
+
+
+def _described(autocast: tuple) -> str:
+    """An autocast state (:func:`~lightning_pipe.checkpoint.autocast_state`) for a message: ``cpu bfloat16`` or ``off``."""
+    return ", ".join(f"{device} {str(dtype).replace('torch.', '')}" for device, dtype in autocast) or "off"
 
 
 class StepRunner:
@@ -186,9 +191,9 @@ class StepRunner:
         switched off: only this process's stage would follow it; the others run in the pipeline, outside the step,
         with their parameters and under the strategy's state ``outside``, computing something else than one process
         (or failing on a dtype mismatch). Refuse it."""
+        inside = self.stand_in.autocast_at_call
         if self.stand_in.swapped_at_call:
-            self.stand_in.begin_step("local")
-            raise ConfigurationError(
+            message = (
                 f"{self.hook} called the body `self.{self.body_path}` with parameters of its own in place of the "
                 "layers' (torch.func.functional_call, torch.nn.utils.stateless: perturbed weights as in SAM, "
                 "averaged weights evaluated). Under PipeStrategy the body's other stages run in the pipeline, outside "
@@ -196,24 +201,19 @@ class StepRunner:
                 "change the parameters themselves (and put them back) in a hook every process runs, such as "
                 "on_validation_start, not in the step"
             )
-        inside = self.stand_in.autocast_at_call
-        if inside is None or inside == outside:
+        elif inside is not None and inside != outside:
+            message = (
+                f"{self.hook} called the body `self.{self.body_path}` under autocast {_described(inside)}, where the "
+                f"step itself runs under autocast {_described(outside)}. Under PipeStrategy the body's stages run in "
+                "the pipeline, outside your step, under the step's own state, so only one stage would follow your "
+                "autocast and the others would compute in another precision than one process does. Set the precision "
+                "on the Trainer (precision='bf16-mixed' or '16-mixed': Lightning's autocast, which every stage runs "
+                "under), or enter torch.autocast inside the body's layers (in a block's forward)"
+            )
+        else:
             return
         self.stand_in.begin_step("local")
-
-        def described(state: tuple) -> str:
-            on = [f"{device} {str(dtype).replace('torch.', '')}" for device, dtype in zip(("cpu", "cuda"), state)
-                  if dtype is not None]
-            return ", ".join(on) or "off"
-
-        raise ConfigurationError(
-            f"{self.hook} called the body `self.{self.body_path}` under autocast {described(inside)}, where the step "
-            f"itself runs under autocast {described(outside)}. Under PipeStrategy the body's stages run in the "
-            "pipeline, outside your step, under the step's own state, so only one stage would follow your autocast "
-            "and the others would compute in another precision than one process does. Set the precision on the "
-            "Trainer (precision='bf16-mixed' or '16-mixed': Lightning's autocast, which every stage runs under), or "
-            "enter torch.autocast inside the body's layers (in a block's forward)"
-        )
+        raise ConfigurationError(message)
 
     def _refuse_updates_before_body(self, snapshot: Any, counts: Dict[str, int]) -> None:
         """On a process that runs the step up to the body and again whole, state grown before the body would
