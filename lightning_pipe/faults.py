@@ -257,7 +257,7 @@ class _Waiter:
 # links of lightning_pipe.arrivals (each has ``stop()``, returning its thread or None; a link also
 # ``peer``, the global rank it receives from).
 _helpers: "weakref.WeakSet" = weakref.WeakSet()
-_PEER_EXIT_SECONDS = 4.0  # at exit after a failure: how long a thread blocked on a higher rank may take to end
+_PEER_EXIT_SECONDS = 15.0  # at exit after a failure: how long a thread blocked on a higher rank may take to end
 
 
 def end_helper_threads(timeout: float = 1.0, after_failure: bool = False) -> None:
@@ -275,11 +275,13 @@ def end_helper_threads(timeout: float = 1.0, after_failure: bool = False) -> Non
     peer that failed too; its wait returns (with an error) when that peer's process exits and its
     connection closes, and the same abort follows if this interpreter is finalizing by then (seen
     in 2 of 3 two-process fits where one rank raised). So such threads are waited for too: a rank
-    whose peer exits soon finds them ended. Where two ranks wait for each other, the lower global
-    rank waits longer: threads blocked on a higher rank get up to :data:`_PEER_EXIT_SECONDS` to
-    end, the others (blocked on a lower rank, or on a message whose sender is not recorded)
-    ``timeout``, so the higher rank exits first while the lower one is still alive, waiting, and
-    the lower one's threads then return before it finalizes.
+    whose peer exits soon finds them ended. Where two ranks wait for each other, the higher global
+    rank exits first: its threads blocked on a lower rank are not waited for (that rank stays alive,
+    waiting, so they stay blocked until this process has gone), those blocked on a higher rank get
+    up to :data:`_PEER_EXIT_SECONDS` to end (a peer's exit takes its own wait, then some 2 s of
+    finalizing Lightning and torch), the others (on a message whose sender is not recorded)
+    ``timeout``. A bound of 4 s, as before 2026-12-03, left 0.2 s to spare in a two-process fit,
+    whose rank 0 aborted at exit in 1 of 4 runs, and more often on a busy machine.
     """
     start = time.monotonic()
     rank = dist.get_rank() if after_failure and dist.is_available() and dist.is_initialized() else None
@@ -288,8 +290,10 @@ def end_helper_threads(timeout: float = 1.0, after_failure: bool = False) -> Non
         thread = helper.stop()
         if thread is not None:
             peer = getattr(helper, "peer", None)
-            waits.append((thread, _PEER_EXIT_SECONDS if rank is not None and peer is not None and peer > rank
-                          else timeout))
+            if rank is None or peer is None:
+                waits.append((thread, timeout))
+            elif peer > rank:
+                waits.append((thread, _PEER_EXIT_SECONDS))
     for thread, seconds in waits:
         thread.join(max(start + seconds - time.monotonic(), 0.0))
 

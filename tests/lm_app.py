@@ -477,6 +477,34 @@ class FailingAfterBody(SumRegression):
         self.log("val_mae", scores["mae"])  # a KeyError on the last stage
 
 
+class EvaluatedOtherwise(SumRegression):
+    """validation_step evaluating the body otherwise than as trained: with its weights scaled in place and restored
+    around the call (``"swapped"``, an EMA's weights swapped in), or under ``torch.enable_grad()`` for the gradient
+    of the loss with respect to the first layer's weight (``"gradient"``). Both are refused by name."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        if self.how == "swapped":
+            kept = [p.detach().clone() for p in self.body.parameters()]
+            with torch.no_grad():
+                for p in self.body.parameters():
+                    p.mul_(0.9)
+            loss = F.mse_loss(self.body(x), y)
+            with torch.no_grad():
+                for p, k in zip(self.body.parameters(), kept):
+                    p.copy_(k)
+        else:
+            with torch.enable_grad():
+                loss = F.mse_loss(self.body(x), y)
+                (slope,) = torch.autograd.grad(loss, self.body[0].weight)
+            self.log("val_slope", slope.norm())
+        self.log("val_loss", loss)
+
+
 class Experts(SumRegression):
     """Two experts, each sample routed to one by its target (a mixture of experts in miniature), after
     the body or before it: an expert no sample of a batch routes to is not called, so replicas and
@@ -879,6 +907,8 @@ CASES = {
     "tied_once": (TiedSavedOnce, "tokens"), "penalty": (GradientPenalty, "regression"),
     "warmup_in_step": (WarmupInStep, "regression"), "other_stages_weight": (OtherStagesWeight, "regression"),
     "mode_in_step": (ModeInStep, "regression"), "finetuned": (FinetunedBody, "regression"), "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
+    "val_swapped": (lambda: EvaluatedOtherwise("swapped"), "regression_val"),
+    "val_gradient": (lambda: EvaluatedOtherwise("gradient"), "regression_val"),
     "failing_log": (lambda: FailingAfterBody("training"), "regression"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "own_autocast": (OwnAutocast, "tokens"), "functional_call": (FunctionalCall, "tokens"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe import BodyCallError
+from lightning_pipe import BodyCallError, ConfigurationError
 from lightning_pipe.lightning.body import BodyReached, PipelinedSequential
 from lightning_pipe.lightning.layer_list import CallChannel, HiddenStandIn, PipelinedLayerList, join_call, split_call
 
@@ -38,6 +38,25 @@ def test_split_and_join_restore_the_call():
     args, kwargs = join_call(structure, tensors)
     assert args[0] is scale and kwargs["mask"] is mask and kwargs["cos_sin"] == (mask, scale)
     assert kwargs["flag"] is False and kwargs["cache"] is None
+
+
+def test_the_stand_ins_are_the_containers_they_replace_and_refuse_changes_of_their_layers():
+    """Regression (review III): `isinstance(self.layers, nn.ModuleList)` was False on the layer-list stand-in, so a
+    step branching on it took another path and failed with an unnamed error. The containers' own ways to change
+    their layers are refused: each process holds only its stages' layers."""
+    layers, _ = stand_in(1, 3)
+    sequential = PipelinedSequential([OrderedDict(a=nn.Linear(2, 2))], False, (0,), 2)
+    assert isinstance(layers, nn.ModuleList) and isinstance(sequential, nn.Sequential)
+    assert repr(layers).splitlines()[1].startswith("  (1): Block(")
+    for container, change in [(layers, lambda c: c.append(Block())), (layers, lambda c: c.insert(0, Block())),
+                              (layers, lambda c: c.pop(0)), (layers, lambda c: c.extend([Block()])),
+                              (sequential, lambda c: c.__setitem__(0, nn.Identity())),
+                              (sequential, lambda c: c.__delitem__(0)), (layers, lambda c: c + nn.ModuleList())]:
+        with pytest.raises(ConfigurationError, match=r"the body's layers were changed \(added, removed, replaced or "
+                                                     r"copied into a new container\) during fit; under PipeStrategy "
+                                                     r"they are split over 2 stages"):
+            change(container)
+    assert len(layers) == 4 and len(layers._modules) == 2 and len(sequential) == 1
 
 
 def test_the_stand_in_behaves_like_the_list_for_the_loop():

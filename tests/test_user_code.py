@@ -116,6 +116,29 @@ def test_a_body_switched_to_another_mode_in_the_step_stops_every_rank_with_a_nam
     assert "the step changed the training mode of the body's layers before calling it" in output, output[-4000:]
 
 
+_EVALUATED_OTHERWISE = {
+    "val_swapped": "validation_step changed ['body.0.weight', 'body.0.bias', 'body.2.weight', 'body.2.bias'] in "
+                   "place. Under PipeStrategy the step runs once per microbatch (3 per batch): the code before the "
+                   "body call on the first and the last stage, the rest on the last stage, and the body's layers on "
+                   "the processes that hold them, so weights swapped in around the body call reach only",
+    "val_gradient": "validation_step asked autograd for a gradient through the body (element 0 of tensors does "
+                    "not require grad and does not have a grad_fn)",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_EVALUATED_OTHERWISE))
+def test_an_evaluation_step_evaluating_the_body_otherwise_is_refused_naming_the_cause(tmp_path_factory, case):
+    """Regression (review III): weights scaled in place around the body call in validation_step (an EMA's swapped
+    in) were refused with advice for a training step's update ("once per batch ... on_before_optimizer_step");
+    a gradient with respect to a body weight under torch.enable_grad() ended with autograd's raw error on the last
+    stage (that weight a meta copy there, the body's output computed elsewhere without a graph)."""
+    output = _refused_on_every_rank(tmp_path_factory, case, "BodyCallError" if case == "val_gradient"
+                                    else "SideEffectError")
+    assert _EVALUATED_OTHERWISE[case] in output, output[-4000:]
+    if case == "val_swapped":
+        assert "on_validation_epoch_start and on_validation_epoch_end" in output, output[-4000:]
+
+
 def test_a_body_input_asking_for_a_gradient_is_told_from_parameters_and_stale_values():
     """What decides whether autograd's "not used in the graph" is explained as a gradient through the body: a
     non-parameter leaf with requires_grad, or a value computed from one (review N: an unrelated unused head's

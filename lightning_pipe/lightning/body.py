@@ -333,6 +333,18 @@ class StandIn:
                 "(Module.load_from_checkpoint) or train with gather_full_model=True"
             )
 
+    def _refuse_change(self, *args, **kwargs):
+        raise ConfigurationError(
+            f"the body's layers were changed (added, removed, replaced or copied into a new container) during fit; "
+            f"under PipeStrategy they are split over {self.num_stages} stages, each process holding its own, so the "
+            "body must keep its layers from setup to the end of fit. Change the model before trainer.fit (or in "
+            "configure_model), or after it"
+        )
+
+    # the containers' own ways to change their layers (nn.Sequential's and nn.ModuleList's), on this stand-in
+    __setitem__ = __delitem__ = __iadd__ = __add__ = __mul__ = __rmul__ = __imul__ = _refuse_change
+    append = extend = insert = pop = _refuse_change
+
     def refuse_if_partial(self) -> None:
         """Outside the steps the pipeline runs ("local"), a process holding part of a split body cannot run it."""
         if self.mode == "local" and self.num_stages > 1:

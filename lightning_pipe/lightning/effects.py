@@ -120,12 +120,21 @@ class StepEffects:
         if not touched:
             return
         names = list(dict.fromkeys(name for name, t in self.watched() if id(t) in touched))
+        where = (f"({self.num_microbatches} per batch): the code before the body call on the first and the last "
+                 "stage, the rest on the last stage, and the body's layers on the processes that hold them")
+        if hook == "training_step":
+            raise SideEffectError(
+                f"{hook} changed {names} in place. Under PipeStrategy the step runs once per microbatch {where}, so "
+                "this update happened once per microbatch instead of once per batch. Move it to a hook that runs "
+                "once per batch on every rank, e.g. on_train_batch_end or on_before_optimizer_step"
+            )
+        stage = hook.split("_")[0]  # an evaluation step changes weights to evaluate others (EMA weights swapped in)
         raise SideEffectError(
-            f"{hook} changed {names} in place. Under PipeStrategy the step runs once per microbatch "
-            f"({self.num_microbatches} per batch): the code before the body call on the first and the last stage, "
-            "the rest on the last stage, so this update happened once per microbatch instead of once per batch. "
-            "Move it to a hook that runs once per batch on every rank, e.g. on_train_batch_end or "
-            "on_before_optimizer_step"
+            f"{hook} changed {names} in place. Under PipeStrategy the step runs once per microbatch {where}, so "
+            "weights swapped in around the body call reach only the layers of the processes that run that code, "
+            "once per microbatch; the other stages' layers compute with their own. Swap weights in hooks every "
+            f"rank runs once, on_{stage}_epoch_start and on_{stage}_epoch_end, or use Lightning's "
+            "WeightAveraging callback (EMAWeightAveraging), which PipeStrategy supports"
         )
 
     def before(self, hook: str, whole: bool = True) -> Optional[Snapshot]:

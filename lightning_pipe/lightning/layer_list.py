@@ -343,7 +343,7 @@ class _PartOfBlock:
         return value
 
 
-class PipelinedLayerList(StandIn, nn.Module):
+class PipelinedLayerList(StandIn, nn.ModuleList):
     """This rank's blocks of a layer-list body, in a stand-in the user's loop iterates as the list.
 
     Args:
@@ -356,6 +356,8 @@ class PipelinedLayerList(StandIn, nn.Module):
 
     passes_inputs_on = True  # every stage's message carries every extra tensor on (see Stage._warn_unused)
 
+    # an nn.ModuleList to the user's code (`isinstance(self.layers, nn.ModuleList)` as the original), whose
+    # ModuleList methods that change the list StandIn refuses, and whose reads this class answers
     def __init__(self, blocks: Sequence[nn.Module], ranges: Sequence[Tuple[int, int]], stages: Sequence[int],
                  num_stages: int, channel: CallChannel) -> None:
         nn.Module.__init__(self)
@@ -380,6 +382,8 @@ class PipelinedLayerList(StandIn, nn.Module):
         self._calls_watched = [[0, 0] for _ in blocks]  # per block: calls noted in eval mode, in training mode
         # not registered: the blocks' names stay the list's own
         self.__dict__["chunks"] = [self] if len(ranges) == 1 else [LayerListChunk(self, k) for k in range(len(ranges))]
+
+    __repr__ = nn.Module.__repr__  # the blocks held here (ModuleList's would print the proxies of every block)
 
     def __len__(self) -> int:
         return self.length

@@ -133,7 +133,8 @@ class StepRunner:
                         output = getattr(self.module, self.hook)(batch, *self.hook_args)
                     except (RuntimeError, NotImplementedError) as error:  # torch raises the second copying meta data
                         release.explain_meta_error(error, self.module, self.body_path, self.hook)
-                        if mode == "replace" and self.stand_in.input_asks_grad:
+                        if mode == "replace" and (self.stand_in.input_asks_grad or self.hook != "training_step"
+                                                  and self.stand_in.grad_at_call and self.stand_in.num_stages > 1):
                             _explain_unused_input(error, self.hook)
                         raise
                     finally:
@@ -317,19 +318,22 @@ class StepRunner:
 
 def _explain_unused_input(error: RuntimeError, hook: str) -> None:
     """Raise a named error for autograd's about a differentiated tensor not used in the graph, in a step whose body
-    input asked for a gradient (:func:`.body.asks_for_gradient`): on the last stage the body's output is the
-    pipeline's, computed on other processes, so a gradient with respect to the body's input (a gradient penalty, a
-    saliency map) is not in its graph. The input asking is not refused as such: Hugging Face's
-    ``enable_input_require_grads`` (LoRA, gradient checkpointing) makes the embeddings' output ask for a gradient
-    that nothing reads. Returns for any other error."""
-    if "not have been used in the graph" not in str(error):
-        return
+    input asked for a gradient (:func:`.body.asks_for_gradient`), or an evaluation step that called the body with
+    gradients enabled on a process holding part of it: on the last stage the body's output is the pipeline's,
+    computed on other processes (without a graph in evaluation), so a gradient with respect to the body's input (a
+    gradient penalty, a saliency map) or to other stages' weights is not in its graph. The input asking is not
+    refused as such: Hugging Face's ``enable_input_require_grads`` (LoRA, gradient checkpointing) makes the
+    embeddings' output ask for a gradient that nothing reads; nor is ``torch.enable_grad()`` in an evaluation step,
+    where a gradient with respect to the head's weights is computed as under DDP. Returns for any other error."""
+    if "not have been used in the graph" not in str(error) and "does not require grad" not in str(error):
+        return  # the second: a loss computed from the body's output alone, which has no graph in evaluation
     raise BodyCallError(
-        f"{hook} asked autograd for a gradient through the body ({error}). Under PipeStrategy the body's input is on "
-        "the first stage and the step after the body runs on the last, whose body output is computed from no input "
-        "there, so a gradient of the body's output with respect to its input (`torch.autograd.grad(out, x)` for a "
-        "gradient penalty or a saliency map) cannot be computed in the step. Compute it outside the pipelined step "
-        "(e.g. on an unpipelined copy of the model in a callback)"
+        f"{hook} asked autograd for a gradient through the body ({error}). Under PipeStrategy the body's input and "
+        "its first layers are on the first stage and the step after the body runs on the last, whose body output "
+        "is computed on other processes (without a graph in evaluation steps), so a gradient of the body's output "
+        "with respect to its input (`torch.autograd.grad(out, x)` for a gradient penalty or a saliency map) or to "
+        "its layers' weights cannot be computed in the step. Compute it outside the pipelined step (e.g. on an "
+        "unpipelined copy of the model in a callback)"
     ) from error
 
 

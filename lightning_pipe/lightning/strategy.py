@@ -422,7 +422,7 @@ class PipeStrategy(DDPStrategy):
         stand_in = self.split.stand_in
         modules = [self._runner.first_stage() if s == 0 else stand_in.chunk(k) for k, s in enumerate(stand_in.stages)]
         self._pipeline = Pipeline(
-            modules if len(modules) > 1 else modules[0], chunks=m, process_group=self.pp_group, schedule=self.schedule,
+            modules, chunks=m, process_group=self.pp_group, schedule=self.schedule,
             timeout=self._timeout or default_pg_timeout, checkpoint=self.checkpoint, device=self.root_device,
             # a block's extra arguments may be None in one microbatch and a tensor in the next
             variable_messages=isinstance(stand_in, PipelinedLayerList),
