@@ -505,6 +505,48 @@ class EvaluatedOtherwise(SumRegression):
         self.log("val_loss", loss)
 
 
+class _Scales:
+    """A config the blocks share (as a Hugging Face model's blocks share its config)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+class Gated(nn.Module):
+    def __init__(self, scales: _Scales) -> None:
+        super().__init__()
+        self.linear, self.enabled, self.scales = nn.Linear(4, 4), True, scales
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x)) * (self.scales.scale if self.enabled else 0.5)
+
+
+class FlagsAroundBody(SumRegression):
+    """A step switching its blocks off for the body call and back on (``"modules"``: through ``self.modules()``, as
+    PEFT's ``disable_adapter()`` does) or scaling them through the config they share (``"config"``): the last
+    stage's blocks ran before the step, a middle stage's never see it (BodyCallError)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, scales = how, _Scales()
+        self.body = nn.Sequential(*[Gated(scales) for _ in range(4)], nn.Linear(4, 1))
+        self.scales = scales
+
+    def training_step(self, batch, batch_idx):
+        if self.how == "modules":
+            gated = [m for m in self.modules() if isinstance(m, Gated)]
+            for m in gated:
+                m.enabled = batch_idx % 2 == 0
+            loss = super().training_step(batch, batch_idx)
+            for m in gated:
+                m.enabled = True
+            return loss
+        self.scales.scale = 0.5
+        loss = super().training_step(batch, batch_idx)
+        self.scales.scale = 1.0
+        return loss
+
+
 class Experts(SumRegression):
     """Two experts, each sample routed to one by its target (a mixture of experts in miniature), after
     the body or before it: an expert no sample of a batch routes to is not called, so replicas and
@@ -909,6 +951,8 @@ CASES = {
     "mode_in_step": (ModeInStep, "regression"), "finetuned": (FinetunedBody, "regression"), "failing_val": (lambda: FailingAfterBody("validation"), "regression_val"),
     "val_swapped": (lambda: EvaluatedOtherwise("swapped"), "regression_val"),
     "val_gradient": (lambda: EvaluatedOtherwise("gradient"), "regression_val"),
+    "flags_modules": (lambda: FlagsAroundBody("modules"), "regression"),
+    "flags_config": (lambda: FlagsAroundBody("config"), "regression"),
     "failing_log": (lambda: FailingAfterBody("training"), "regression"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "own_autocast": (OwnAutocast, "tokens"), "functional_call": (FunctionalCall, "tokens"),
@@ -1000,7 +1044,8 @@ def run(spec: dict, root: str) -> dict:
             schedule=spec.get("schedule", "1f1b"), virtual_stages=spec.get("virtual_stages"),
             checkpoint=spec.get("checkpoint", "never"),
             loss_reduction="sum" if spec["case"] in ("sum", "experts", "experts_before", "penalty", "warmup_in_step",
-                                                     "other_stages_weight", "mode_in_step") else "mean",
+                                                     "other_stages_weight", "mode_in_step", "flags_modules",
+                                                     "flags_config") else "mean",
             body=spec.get("body"), balance=spec.get("balance"),
             state_dict_type=spec.get("state_dict_type"),
         )

@@ -139,6 +139,20 @@ def test_an_evaluation_step_evaluating_the_body_otherwise_is_refused_naming_the_
         assert "on_validation_epoch_start and on_validation_epoch_end" in output, output[-4000:]
 
 
+@pytest.mark.parametrize("case, changed", [
+    ("flags_modules", "`2.enabled` True -> False, `3.enabled` True -> False"),  # the last stage's blocks
+    ("flags_config", "`0.scales.scale` 1.0 -> 0.5"),
+])
+def test_values_set_on_the_blocks_around_the_body_call_are_refused_on_every_rank(tmp_path_factory, case, changed):
+    """Regression (review III): a flag set on every block through `self.modules()` (PEFT's `disable_adapter()`), or
+    on a config object the blocks share, just for the body call reached the blocks of the first stage only (they
+    run inside its step); the last stage's ran before its step (weights 1.13e-2 from DDP's in III's probe). The
+    first step sets nothing (`batch_idx % 2 == 0` leaves the blocks on): the second is refused."""
+    output = _refused_on_every_rank(tmp_path_factory, case, "BodyCallError")
+    assert f"the step changed attributes of the body's modules before calling it: {changed}" in output, \
+        output[-4000:]
+
+
 def test_a_body_input_asking_for_a_gradient_is_told_from_parameters_and_stale_values():
     """What decides whether autograd's "not used in the graph" is explained as a gradient through the body: a
     non-parameter leaf with requires_grad, or a value computed from one (review N: an unrelated unused head's

@@ -29,6 +29,7 @@ runs each stage through a chunk (:meth:`StandIn.chunk`) that holds only that sta
 
 from __future__ import annotations
 
+import enum
 import operator
 import warnings
 from collections import OrderedDict
@@ -219,6 +220,10 @@ class BodyReached(Exception):
         self.outputs = outputs
 
 
+_MODULE_STATE = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}  # nn.Module's own, not the user's
+_PLAIN = (bool, int, float, str, type(None), enum.Enum)
+
+
 class StandIn:
     """What both kinds of body share on a stage (a mixin of an ``nn.Module``): mode, replacement, checks.
 
@@ -247,7 +252,7 @@ class StandIn:
         # submodule of each name, and this runs twice per microbatch on the critical path.
         self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0,
                              grad_at_call=None, autocast_at_call=None, swapped_at_call=False, input_asks_grad=False,
-                             modes=self.training_modes() if mode in ("stop", "replace") else None)
+                             modes=self.training_modes() if mode in ("stop", "replace") else None, attributes=None)
 
     def every_layer(self) -> Sequence[nn.Module]:
         """Every layer of the body as the user's code sees it, other stages' copies included."""
@@ -293,6 +298,69 @@ class StandIn:
                 "layers. Compute such values from the body's output in the step instead."
             )
         return found
+
+    def attribute_values(self) -> List[tuple]:
+        """The values of the attributes of every module of every layer, and of the objects they hold (a config the
+        blocks share), by identity: what a step may set on the blocks just for the body call other than through
+        the loop's blocks (`self.modules()`, PEFT's ``disable_adapter()``, ``self.config.use_lora = False``). A
+        tuple of each ``__dict__``'s values, which compare by identity first: some 0.1 ms for a 32-block Llama (a
+        dict of the flags alone took 1.2 ms); taken once a step (see .steps)."""
+        layers = self.every_layer()
+        cached = self.__dict__.get("_attribute_holders")
+        if cached is None or cached[0] is not layers:
+            self.training_modes()  # the module list, made once per list of layers
+            modules = self.__dict__["_mode_modules"][1][1:]  # [0] is this stand-in
+            held = {id(v): v for m in modules for name, v in m.__dict__.items() if name not in _MODULE_STATE
+                    and not isinstance(v, (torch.Tensor, nn.Module, *_PLAIN)) and not callable(v)
+                    and hasattr(v, "__dict__")}
+            cached = self.__dict__["_attribute_holders"] = (layers, [*modules, *held.values()])
+        return [tuple(vars(holder).values()) for holder in cached[1]]
+
+    def refuse_changed_attributes(self, hook: str) -> None:
+        """Refuse a step that changed attributes of the body's modules (:meth:`attribute_values`) before calling
+        it, on the process whose layers ran before the step did (the last stage's)."""
+        before = self.__dict__.get("attributes")
+        if before is None:
+            return
+        self.__dict__["attributes"] = None
+        now = self.attribute_values()
+        try:
+            if now == before:
+                return
+        except Exception:  # noqa: BLE001 (a tensor attribute replaced by another: `==` of two tensors)
+            pass
+        names = self._holder_names()
+        changed = []
+        for name, holder, old in zip(names, self.__dict__["_attribute_holders"][1], before):
+            current = vars(holder)
+            if len(current) != len(old):
+                changed.append(f"`{name}` gained or lost attributes")
+                continue
+            changed += [f"`{'.'.join(p for p in (name, key) if p)}` {was!r} -> {value!r}"
+                        for key, was, value in zip(current, old, current.values())
+                        if was is not value and not (isinstance(was, _PLAIN) and type(was) is type(value)
+                                                     and was == value)]
+        self.begin_step("local")
+        raise BodyCallError(
+            f"{hook} changed attributes of the body's modules before calling it: {', '.join(changed[:5])}"
+            f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''} (set through `self.modules()`, PEFT's "
+            "`disable_adapter()`, or a config object the blocks share). Under PipeStrategy the stages run their layers "
+            "apart from your step (the last stage before it, a middle stage never runs it), so they would not see "
+            "them. Set such values in a hook every process runs before the step (`on_train_batch_start`, "
+            "`on_validation_batch_start`), or pass them to the blocks as arguments"
+        )
+
+    def _holder_names(self) -> List[str]:
+        """The name under the body of each holder of :meth:`attribute_values` (a held object: its holder's and
+        attribute's)."""
+        found = {}
+        for layer_name, layer in zip(self.layer_names(), self.every_layer()):
+            for name, module in layer.named_modules():
+                path = ".".join(p for p in (layer_name, name) if p)
+                found.setdefault(id(module), path)
+                for key, value in module.__dict__.items():
+                    found.setdefault(id(value), f"{path}.{key}")
+        return [found.get(id(holder), "?") for holder in self.__dict__["_attribute_holders"][1]]
 
     def refuse_changed_modes(self, hook: str, when: str) -> None:
         """Refuse a step that switched the body's layers to another mode (``self.body.eval()``) since the run began:
@@ -455,6 +523,7 @@ class PipelinedSequential(StandIn, nn.Sequential):
     def forward(self, *inputs):
         self.refuse_if_released()
         self.refuse_changed_modes("the step", "before calling it")
+        self.refuse_changed_attributes("the step")
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
         self.__dict__["autocast_at_call"] = autocast_state()  # and under an autocast of the step's own
