@@ -173,6 +173,16 @@ def autocast_state() -> tuple:
                  if torch.is_autocast_enabled(device))
 
 
+def saved_tensors_pack() -> Optional[Callable]:
+    """The pack function of the innermost ``torch.autograd.graph.saved_tensors_hooks`` on now, or None.
+
+    Private API: torch has no public way to read the hooks on now, and the body-call check (see
+    :meth:`~lightning_pipe.lightning.steps.StepRunner.run`) needs to see hooks a step put around the body.
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top[0] if top else None
+
+
 @contextmanager
 def _autocast(states: tuple) -> Iterator[None]:
     if not states:

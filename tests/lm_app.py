@@ -793,6 +793,29 @@ class OwnAutocast(LlamaStyle):
             return super().logits(tokens, embedding_gradient_factor).float()
 
 
+class SavedHooks(LlamaStyle):
+    """The body called under saved-tensors hooks of the step's own: ``save_on_cpu`` (only moves the saved values:
+    trains as under DDP) or hooks saving activations rounded to bfloat16 (refused: only one stage would)."""
+
+    def __init__(self, quantized: bool) -> None:
+        super().__init__()
+        self.quantized = quantized
+
+    def logits(self, tokens, embedding_gradient_factor=None):
+        if not self.quantized:
+            with torch.autograd.graph.save_on_cpu():
+                return super().logits(tokens, embedding_gradient_factor)
+
+        def pack(t):
+            return t.to(torch.bfloat16), t.dtype
+
+        def unpack(packed):
+            return packed[0].to(packed[1])
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return super().logits(tokens, embedding_gradient_factor)
+
+
 class FunctionalCall(LlamaStyle):
     """The model called with parameters of the step's own (SAM's perturbed weights; here the same values)."""
 
@@ -955,7 +978,8 @@ CASES = {
     "flags_config": (lambda: FlagsAroundBody("config"), "regression"),
     "failing_log": (lambda: FailingAfterBody("training"), "regression"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
-    "own_autocast": (OwnAutocast, "tokens"), "functional_call": (FunctionalCall, "tokens"),
+    "own_autocast": (OwnAutocast, "tokens"), "quantized_saves": (lambda: SavedHooks(True), "tokens"),
+    "saved_on_cpu": (lambda: SavedHooks(False), "tokens"), "functional_call": (FunctionalCall, "tokens"),
     "ema": (EmaInStep, "noise"), "ema_late": (EmaFromStep2, "noise"), "meta_llama": (MetaLlama, "tokens"), "unbalanced": (Unbalanced, "sequences"),
     "unbalanced_pair": (lambda: Unbalanced(mixes=2), "sequences"), "frozen": (FrozenStart, "tokens"), "paramfree": (ParameterFreeEnd, "tokens"), "hf_llama": (lambda: HFCausalLM("llama"), "tokens"),
     "hf_gpt2": (lambda: HFCausalLM("gpt2"), "tokens"), "hf_qwen2": (lambda: HFCausalLM("qwen2"), "tokens"),

@@ -66,6 +66,7 @@ def assert_same_training(got, want, rtol=None, atol=None, flips=None):
     # pipe/ metrics were logged on global rank 0 only, and EarlyStopping raised on rank 1 ("not available")
     ("world2", "gpt2_observed", "gpt2"),
     ("world2", "torch_encoder_zbv", "torch_encoder"),  # torch's nn.TransformerEncoder, its loop in torch's forward
+    ("world2", "saved_on_cpu_p2", "llama"),  # torch.autograd.graph.save_on_cpu() around the body call: allowed
     ("world2", "body_hooks_p2", "body_hooks"),  # forward hooks on the nn.Sequential body itself
     ("world2", "body_hooks_zbv", "body_hooks"),  # the same where process 0 runs the step up to the body and whole
     ("world4", "gpt2_p4", "gpt2"),  # GPipe
@@ -237,6 +238,9 @@ def test_a_loop_the_pipeline_cannot_reproduce_fails_on_every_rank_within_seconds
     # review III: `torch.func.functional_call(self, params, ...)` in the step (SAM's perturbed weights): only the
     # first stage's layers used the given parameters, the others their own; weights ended 1.85e-2 from DDP's
     ("functional_call", "called the body `self.layers` with parameters of its own"),
+    # activations saved rounded to bfloat16 by saved_tensors_hooks around the body call: only the first stage's
+    ("quantized_saves", "called the body `self.layers` under torch.autograd.graph.saved_tensors_hooks of its own "
+                        "(packing with `SavedHooks.logits.<locals>.pack`)"),
 ])
 def test_a_body_called_in_a_context_of_the_steps_own_is_refused_on_every_rank(tmp_path_factory, case, refusal):
     """Only the first stage runs the body's layers inside the step: what the step puts around the call is refused."""

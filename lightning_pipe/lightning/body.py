@@ -38,7 +38,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from lightning_pipe.checkpoint import autocast_state, checkpointed
+from lightning_pipe.checkpoint import autocast_state, checkpointed, saved_tensors_pack
 from lightning_pipe.errors import BodyCallError, ConfigurationError
 from lightning_pipe.lightning.release import reads_paused
 from lightning_pipe.lightning.stale import Stale
@@ -251,7 +251,8 @@ class StandIn:
         # Plain values straight into __dict__: nn.Module.__setattr__ first looks for a parameter, buffer or
         # submodule of each name, and this runs twice per microbatch on the critical path.
         self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0,
-                             grad_at_call=None, autocast_at_call=None, swapped_at_call=False, input_asks_grad=False,
+                             grad_at_call=None, autocast_at_call=None, pack_at_call=None, swapped_at_call=False,
+                             input_asks_grad=False,
                              modes=self.training_modes() if mode in ("stop", "replace") else None, attributes=None)
 
     def every_layer(self) -> Sequence[nn.Module]:
@@ -527,6 +528,7 @@ class PipelinedSequential(StandIn, nn.Sequential):
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
         self.__dict__["autocast_at_call"] = autocast_state()  # and under an autocast of the step's own
+        self.__dict__["pack_at_call"] = saved_tensors_pack()  # or its own saved-tensors hooks
         self.__dict__["swapped_at_call"] = swapped_parameters(self)  # or with parameters of its own
         if self.mode == "replace":
             self.__dict__["input_asks_grad"] = torch.is_grad_enabled() and asks_for_gradient(inputs)  # see .steps

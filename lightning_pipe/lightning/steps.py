@@ -12,13 +12,13 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from contextlib import nullcontext
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from lightning_pipe import rng
-from lightning_pipe.checkpoint import autocast_state, is_recomputing, should_checkpoint
+from lightning_pipe.checkpoint import autocast_state, is_recomputing, saved_tensors_pack, should_checkpoint
 from lightning_pipe.errors import BodyCallError, ConfigurationError, SideEffectError
 from lightning_pipe.lightning import loggers, release
 from lightning_pipe.lightning.body import BodyReached, StandIn
@@ -27,6 +27,13 @@ from lightning_pipe.lightning.logs import LogRecorder, metric_paths
 from lightning_pipe.lightning.losses import LossAccount, MeanTargets, Shapes, loss_of, merge
 from lightning_pipe.lightning.stale import StaleCopies, unmark
 from lightning_pipe.microbatch import copy_tensors, scatter, tensor_versions, written_since
+
+
+def _moves_only(pack: Callable) -> bool:
+    """Whether a saved-tensors pack function is torch's own that keeps the values: ``save_on_cpu``'s, or one of
+    activation checkpointing's (a step checkpointing its whole loop)."""
+    module, name = getattr(pack, "__module__", ""), getattr(pack, "__qualname__", "")
+    return module == "torch.autograd.graph" and name.startswith("save_on_cpu.") or module == "torch.utils.checkpoint"
 
 
 def _described(autocast: tuple) -> str:
@@ -126,7 +133,8 @@ class StepRunner:
             if self.watch_loggers_on is not None and mode == "replace" else nullcontext()
         targets = self.targets.watching() if mode != "stop" and self.hook != "predict_step" else nullcontext()
         grad_on = torch.is_grad_enabled() and self.hook == "training_step"
-        autocast = autocast_state()  # the strategy's (Lightning's precision plugin's), under which every stage runs
+        # the strategy's autocast (Lightning's precision plugin's) and saved-tensors hooks, under which every stage runs
+        outside = (autocast_state(), saved_tensors_pack() if grad_on else None)
         try:
             with watch, logging, targets:
                 with release.reads_recorded():
@@ -145,7 +153,7 @@ class StepRunner:
                             self.copies_batch = True  # from this step's next run on
                 if grad_on:
                     self._refuse_body_without_grad()
-                self._refuse_call_context(autocast)
+                self._refuse_call_context(*outside)
                 output = unmark(output, f"returned by {self.hook}")
                 if self.stale is not None and self.stale.active():  # kept for later (shared at the epoch's end)
                     for name, value in self.effects.new_values(snapshot):
@@ -153,7 +161,7 @@ class StepRunner:
         except BodyReached:
             if grad_on:
                 self._refuse_body_without_grad()
-            self._refuse_call_context(autocast)
+            self._refuse_call_context(*outside)
             self.stand_in.begin_step("local")
             self.recorder.discard_microbatch()  # the last stage logs; under ZB-V it is on this process too
             self.effects.after(self.hook, snapshot, last_stage=False)
@@ -188,13 +196,15 @@ class StepRunner:
                 "`.detach()` the body's input if nothing before it should train through it"
             )
 
-    def _refuse_call_context(self, outside: tuple) -> None:
+    def _refuse_call_context(self, outside: tuple, pack: Optional[Callable]) -> None:
         """A step that calls the body with parameters of its own (``functional_call``), or under an autocast of its
         own (``with torch.autocast(...)`` around the body call, in the step or in ``forward``) or with Lightning's
-        switched off: only this process's stage would follow it; the others run in the pipeline, outside the step,
-        with their parameters and under the strategy's state ``outside``, computing something else than one process
-        (or failing on a dtype mismatch). Refuse it."""
+        switched off, or, in training, under saved-tensors hooks of its own: only this process's stage would follow
+        it; the others run in the pipeline, outside the step, with their parameters, under the strategy's autocast
+        ``outside`` and its hooks (``pack``), computing something else than one process (or failing on a dtype
+        mismatch). Refuse it."""
         inside = self.stand_in.autocast_at_call
+        hooks = self.stand_in.pack_at_call
         if self.stand_in.swapped_at_call:
             message = (
                 f"{self.hook} called the body `self.{self.body_path}` with parameters of its own in place of the "
@@ -212,6 +222,16 @@ class StepRunner:
                 "autocast and the others would compute in another precision than one process does. Set the precision "
                 "on the Trainer (precision='bf16-mixed' or '16-mixed': Lightning's autocast, which every stage runs "
                 "under), or enter torch.autocast inside the body's layers (in a block's forward)"
+            )
+        elif self.hook == "training_step" and hooks is not pack and hooks is not None and not _moves_only(hooks):
+            message = (
+                f"{self.hook} called the body `self.{self.body_path}` under torch.autograd.graph.saved_tensors_hooks of "
+                f"its own (packing with `{getattr(hooks, '__qualname__', hooks)}`). Under PipeStrategy the body's "
+                "other stages run in the pipeline, outside your step, so only one stage would save its activations "
+                "your way, and hooks that change what is saved (quantized activations) would give the stages "
+                "different gradients than one process computes. Not supported: use torch.autograd.graph.save_on_cpu "
+                "(which only moves them and is allowed) or PipeStrategy(checkpoint=...) to save memory, or enter the "
+                "hooks inside the body's layers (in a block's forward)"
             )
         else:
             return
