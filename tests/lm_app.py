@@ -547,6 +547,31 @@ class FlagsAroundBody(SumRegression):
         return loss
 
 
+class SwitchedInHooks(FlagsAroundBody):
+    """Blocks switched (a flag, a list) in on_train_batch_start and frozen in on_train_end, through
+    ``self.modules()``, which under PipeStrategy lists this process's blocks only: after fit every process must
+    hold what one process would (PEFT's ``set_adapter`` in a hook, review KKK)."""
+
+    def __init__(self) -> None:
+        super().__init__("hooks")
+
+    def training_step(self, batch, batch_idx):
+        return SumRegression.training_step(self, batch, batch_idx)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        for m in self.modules():
+            if isinstance(m, Gated):
+                m.enabled, m.tags = batch_idx % 2 == 0, ["seen", batch_idx]
+
+    def on_train_end(self):
+        for m in self.modules():
+            if isinstance(m, Gated):
+                m.linear.weight.requires_grad_(False)
+
+    def after_fit_state(self):
+        return [(m.enabled, getattr(m, "tags", None), m.linear.weight.requires_grad) for m in self.body[:4]]
+
+
 class Experts(SumRegression):
     """Two experts, each sample routed to one by its target (a mixture of experts in miniature), after
     the body or before it: an expert no sample of a batch routes to is not called, so replicas and
@@ -976,6 +1001,7 @@ CASES = {
     "val_gradient": (lambda: EvaluatedOtherwise("gradient"), "regression_val"),
     "flags_modules": (lambda: FlagsAroundBody("modules"), "regression"),
     "flags_config": (lambda: FlagsAroundBody("config"), "regression"),
+    "switched": (SwitchedInHooks, "regression"),
     "failing_log": (lambda: FailingAfterBody("training"), "regression"),
     "diffusion": (Diffusion, "noise"), "mixup": (Mixup, "noise"), "bad_loop": (ResidualLoop, "tokens"),
     "own_autocast": (OwnAutocast, "tokens"), "quantized_saves": (lambda: SavedHooks(True), "tokens"),
@@ -1069,7 +1095,7 @@ def run(spec: dict, root: str) -> dict:
             checkpoint=spec.get("checkpoint", "never"),
             loss_reduction="sum" if spec["case"] in ("sum", "experts", "experts_before", "penalty", "warmup_in_step",
                                                      "other_stages_weight", "mode_in_step", "flags_modules",
-                                                     "flags_config") else "mean",
+                                                     "flags_config", "switched") else "mean",
             body=spec.get("body"), balance=spec.get("balance"),
             state_dict_type=spec.get("state_dict_type"),
         )
@@ -1109,6 +1135,9 @@ def run(spec: dict, root: str) -> dict:
     draws = getattr(model, "draws", None)
     if draws is not None:
         torch.save(draws, os.path.join(root, f"draws_{name}_{rank}.pt"))
+    if hasattr(model, "after_fit_state"):
+        with open(os.path.join(root, f"after_fit_{name}_{rank}.json"), "w") as f:
+            json.dump(model.after_fit_state(), f)
     if isinstance(model, FrozenStart):
         torch.save(model.unoptimized_grads, os.path.join(root, f"unoptimized_grads_{name}_{rank}.pt"))
     if not trainer.is_global_zero:

@@ -8,6 +8,7 @@ with positional arguments and returning tuples, ALBERT-style blocks shared acros
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -75,6 +76,23 @@ def assert_same_training(got, want, rtol=None, atol=None, flips=None):
 ])
 def test_model_style_trains_as_under_ddp(lm_runs, launch, name, reference):
     assert_same_training(lm_runs(launch)[0][name], lm_runs("reference")[0][reference])
+
+
+def test_what_hooks_set_on_the_blocks_through_self_modules_is_on_every_process_after_fit(lm_runs):
+    """Regression (review KKK): a hook switching the blocks through `self.modules()` (PEFT's `set_adapter` in
+    on_train_batch_start, a freeze in on_train_end) reaches this process's blocks only during fit; the whole model
+    fit put back had the other stages' blocks as they were at fit start (PEFT's other adapter active: logits 0.29
+    from DDP's after fit, a merge_and_unload 0.13 off). Their owners' flags, lists and requires_grad now come back
+    with the weights."""
+    got, root, _ = lm_runs("world2")
+    reference, reference_root, _ = lm_runs("reference")
+    assert_same_training(got["switched_p2"], reference["switched"])
+    with open(reference_root / "after_fit_switched_0.json") as f:
+        expected = json.load(f)
+    assert expected == [[False, ["seen", 3], False]] * 4
+    for rank in (0, 1):
+        with open(root / f"after_fit_switched_p2_{rank}.json") as f:
+            assert json.load(f) == expected, rank
 
 
 @pytest.mark.parametrize("name", ["cached_p2", "cached_p2_ckpt"])

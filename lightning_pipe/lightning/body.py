@@ -224,6 +224,18 @@ _MODULE_STATE = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}  # nn.
 _PLAIN = (bool, int, float, str, type(None), enum.Enum)
 
 
+def is_plain_state(name: str, value: object) -> bool:
+    """Whether a module's attribute is plain state: a number, string, flag, enum, or a list, tuple or dict of them
+    (PEFT's active adapters), or the module's ``training`` flag; not nn.Module's own bookkeeping."""
+    if name in _MODULE_STATE:
+        return name == "training"
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, _PLAIN) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, _PLAIN) and isinstance(v, _PLAIN) for k, v in value.items())
+    return isinstance(value, _PLAIN)
+
+
 class StandIn:
     """What both kinds of body share on a stage (a mixin of an ``nn.Module``): mode, replacement, checks.
 

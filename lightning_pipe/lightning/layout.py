@@ -178,3 +178,4 @@ def gather_whole_model(strategy: Any, checkpoints: Any) -> None:
     release.unrelease(module, device)
     module.to(device)
     module.load_state_dict(box[0])
+    split.take_layer_state_from_owners()  # what hooks set on the stages' layers, each on its owners' copies

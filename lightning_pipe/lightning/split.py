@@ -34,7 +34,8 @@ from torch import nn
 
 from lightning_pipe.errors import ConfigurationError, PartitionError
 from lightning_pipe.lightning import release
-from lightning_pipe.lightning.body import PipelinedSequential, StandIn, body_paths, set_submodule, share_forward_hooks
+from lightning_pipe.lightning.body import (
+    PipelinedSequential, StandIn, body_paths, is_plain_state, set_submodule, share_forward_hooks)
 from lightning_pipe.lightning.layer_list import CallChannel, PipelinedLayerList
 from lightning_pipe.partition import SequentialModel, balance_by_parameters, check_balance, split_points
 from lightning_pipe.ties import Tie, aliases, find_ties
@@ -254,6 +255,38 @@ class SplitModel:
         for name, p in self.module.named_parameters():
             if p.is_meta and name in flags:
                 p.requires_grad_(flags[name])
+
+    def take_layer_state_from_owners(self) -> None:
+        """After the whole body is back (:meth:`install` ``whole=True``), give the other stages' layers the plain
+        attributes and ``requires_grad`` flags their owners' copies have (a collective over every rank).
+
+        During fit a hook reaches this process's layers only (``self.modules()`` lists them), so what it set
+        there, PEFT's ``set_adapter`` (the active adapter, its parameters trainable) or a callback's ``eval()``,
+        is on the owners' copies alone; the weights come back through the state dict, this through here (what
+        counts as plain: :func:`.body.is_plain_state`).
+        """
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        mine: Dict[str, tuple] = {}
+        for s in self.local_stages:
+            start, stop = self.ranges[s]
+            for layer in self.names[start:stop]:
+                for path, sub in self.body._modules[layer].named_modules(prefix=layer):
+                    values = {k: v for k, v in sub.__dict__.items() if is_plain_state(k, v)}
+                    flags = {n: p.requires_grad for n, p in sub.named_parameters(recurse=False)}
+                    mine[path] = (values, flags)
+        parts: List[Optional[Dict[str, tuple]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        local = {path for s in self.local_stages for layer in self.names[slice(*self.ranges[s])]
+                 for path, _ in self.body._modules[layer].named_modules(prefix=layer)}
+        for part in parts:
+            for path, (values, flags) in part.items():
+                if path in local:
+                    continue
+                sub = self.body.get_submodule(path)
+                sub.__dict__.update(values)
+                for name, trainable in flags.items():
+                    sub._parameters[name].requires_grad_(trainable)
 
     @property
     def installed(self) -> bool:
