@@ -32,7 +32,7 @@ LM_LAUNCHES = {
         _spec("llama", "llama", "ddp", 1), _spec("gpt2", "gpt2", "ddp", 1),
         _spec("torch_encoder", "torch_encoder", "ddp", 1), _spec("body_hooks", "body_hooks", "ddp", 1),
         _spec("albert", "albert", "ddp", 1, clip=0.5),
-        _spec("tied_seq", "tied_seq", "ddp", 1, clip=0.5), _spec("sum", "sum", "ddp", 1), _spec("switched", "switched", "ddp", 1),
+        _spec("tied_seq", "tied_seq", "ddp", 1, clip=0.5), _spec("sum", "sum", "ddp", 1), _spec("switched", "switched", "ddp", 1), _spec("persistent", "persistent", "ddp", 1),
         _spec("finetuned", "finetuned", "ddp", 1, epochs=2),
         _spec("denoise", "denoise", "ddp", 1, epochs=NOISE_EPOCHS), _spec("frozen", "frozen", "ddp", 1),
         _spec("paramfree", "paramfree", "ddp", 1), _spec("fp16", "fp16", "ddp", 1, fp16_scale=256.0),
@@ -51,7 +51,7 @@ LM_LAUNCHES = {
         _spec("denoise_p2", "denoise", "pipe", 2, schedule="gpipe", epochs=NOISE_EPOCHS),
         _spec("diffusion_p2", "diffusion", "pipe", 2), _spec("mixup_p2", "mixup", "pipe", 2, schedule="gpipe"),
         _spec("cached_p2", "cached", "pipe", 2), _spec("saved_on_cpu_p2", "saved_on_cpu", "pipe", 2),
-        _spec("switched_p2", "switched", "pipe", 2), _spec("cached_p2_ckpt", "cached", "pipe", 2, checkpoint="always"),
+        _spec("switched_p2", "switched", "pipe", 2), _spec("persistent_p2", "persistent", "pipe", 2), _spec("cached_p2_ckpt", "cached", "pipe", 2, checkpoint="always"),
         _spec("mean_ce_p2", "mean_ce", "pipe", 2), _spec("mean_ce_derived_p2", "mean_ce_derived", "pipe", 2),
         # a sliding-window mask for every other block: the blocks' own extra arguments
         _spec("alternating_p2", "alternating", "pipe", 2, checkpoint="always"),

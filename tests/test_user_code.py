@@ -149,7 +149,8 @@ def test_values_set_on_the_blocks_around_the_body_call_are_refused_on_every_rank
     run inside its step); the last stage's ran before its step (weights 1.13e-2 from DDP's in III's probe). The
     first step sets nothing (`batch_idx % 2 == 0` leaves the blocks on): the second is refused."""
     output = _refused_on_every_rank(tmp_path_factory, case, "BodyCallError")
-    assert f"the step changed attributes of the body's modules before calling it: {changed}" in output, \
+    assert f"training_step changed attributes of the body's modules just for the body call (set before it, put " \
+           f"back after it): {changed}" in output, \
         output[-4000:]
 
 

@@ -224,6 +224,15 @@ _MODULE_STATE = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}  # nn.
 _PLAIN = (bool, int, float, str, type(None), enum.Enum)
 
 
+def _same(a: object, b: object) -> bool:
+    """Whether two attribute values are the same object, or equal plain values."""
+    return a is b or isinstance(a, _PLAIN) and type(a) is type(b) and a == b
+
+
+def _short(value: object) -> str:
+    return repr(value) if isinstance(value, _PLAIN) else f"<{type(value).__name__}>"
+
+
 def is_plain_state(name: str, value: object) -> bool:
     """Whether a module's attribute is plain state: a number, string, flag, enum, or a list, tuple or dict of them
     (PEFT's active adapters), or the module's ``training`` flag; not nn.Module's own bookkeeping."""
@@ -265,7 +274,8 @@ class StandIn:
         self.__dict__.update(mode=mode, replacement=replacement, checkpoint_layers=checkpoint_layers, calls=0,
                              grad_at_call=None, autocast_at_call=None, pack_at_call=None, swapped_at_call=False,
                              input_asks_grad=False,
-                             modes=self.training_modes() if mode in ("stop", "replace") else None, attributes=None)
+                             modes=self.training_modes() if mode in ("stop", "replace") else None, attributes=None,
+                             attributes_at_call=None)
 
     def every_layer(self) -> Sequence[nn.Module]:
         """Every layer of the body as the user's code sees it, other stages' copies included."""
@@ -329,38 +339,49 @@ class StandIn:
             cached = self.__dict__["_attribute_holders"] = (layers, [*modules, *held.values()])
         return [tuple(vars(holder).values()) for holder in cached[1]]
 
-    def refuse_changed_attributes(self, hook: str) -> None:
-        """Refuse a step that changed attributes of the body's modules (:meth:`attribute_values`) before calling
-        it, on the process whose layers ran before the step did (the last stage's)."""
+    def note_changed_attributes(self) -> None:
+        """At the body call, on the process whose layers ran before the step did (the last stage's): note the
+        attributes of the body's modules (:meth:`attribute_values`) the step changed since it began."""
         before = self.__dict__.get("attributes")
         if before is None:
             return
-        self.__dict__["attributes"] = None
         now = self.attribute_values()
         try:
-            if now == before:
-                return
+            unchanged = now == before
         except Exception:  # noqa: BLE001 (a tensor attribute replaced by another: `==` of two tensors)
-            pass
-        names = self._holder_names()
-        changed = []
-        for name, holder, old in zip(names, self.__dict__["_attribute_holders"][1], before):
-            current = vars(holder)
-            if len(current) != len(old):
-                changed.append(f"`{name}` gained or lost attributes")
+            unchanged = False
+        self.__dict__.update(attributes=None if unchanged else before, attributes_at_call=None if unchanged else now)
+
+    def refuse_reverted_attributes(self, hook: str) -> None:
+        """After the step: refuse the attributes it changed before the body call (:meth:`note_changed_attributes`)
+        and put back after it, as ``with model.disable_adapter():`` does: set just for the body call, which the
+        stages run apart from the step (the last stage before it, a middle stage never runs it), so they would not
+        see them. A change the step keeps (a cache a shared module builds when the step calls it, a config field
+        set for good) is left alone: most are read by the code around the blocks only, and those the blocks read
+        reach the last stage's from the next microbatch on (a middle stage's never: see README)."""
+        before, at_call = self.__dict__.get("attributes"), self.__dict__.get("attributes_at_call")
+        if at_call is None:
+            return
+        self.__dict__.update(attributes=None, attributes_at_call=None)
+        after = self.attribute_values()
+        reverted = []
+        for name, holder, old, mid, new in zip(self._holder_names(), self.__dict__["_attribute_holders"][1],
+                                               before, at_call, after):
+            if not len(old) == len(mid) == len(new):
                 continue
-            changed += [f"`{'.'.join(p for p in (name, key) if p)}` {was!r} -> {value!r}"
-                        for key, was, value in zip(current, old, current.values())
-                        if was is not value and not (isinstance(was, _PLAIN) and type(was) is type(value)
-                                                     and was == value)]
+            reverted += [f"`{'.'.join(p for p in (name, key) if p)}` {_short(was)} -> {_short(value)}"
+                         for key, was, value, end in zip(vars(holder), old, mid, new)
+                         if not _same(was, value) and _same(was, end)]
+        if not reverted:
+            return
         self.begin_step("local")
         raise BodyCallError(
-            f"{hook} changed attributes of the body's modules before calling it: {', '.join(changed[:5])}"
-            f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''} (set through `self.modules()`, PEFT's "
-            "`disable_adapter()`, or a config object the blocks share). Under PipeStrategy the stages run their layers "
-            "apart from your step (the last stage before it, a middle stage never runs it), so they would not see "
-            "them. Set such values in a hook every process runs before the step (`on_train_batch_start`, "
-            "`on_validation_batch_start`), or pass them to the blocks as arguments"
+            f"{hook} changed attributes of the body's modules just for the body call (set before it, put back after "
+            f"it): {', '.join(reverted[:5])}{f' and {len(reverted) - 5} more' if len(reverted) > 5 else ''} (set "
+            "through `self.modules()`, PEFT's `disable_adapter()`, or a config object the blocks share). Under "
+            "PipeStrategy the stages run their layers apart from your step (the last stage before it, a middle stage "
+            "never runs it), so they would not see them. Set such values in a hook every process runs before the step "
+            "(`on_train_batch_start`, `on_validation_batch_start`), or pass them to the blocks as arguments"
         )
 
     def _holder_names(self) -> List[str]:
@@ -536,7 +557,7 @@ class PipelinedSequential(StandIn, nn.Sequential):
     def forward(self, *inputs):
         self.refuse_if_released()
         self.refuse_changed_modes("the step", "before calling it")
-        self.refuse_changed_attributes("the step")
+        self.note_changed_attributes()
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
         self.__dict__["autocast_at_call"] = autocast_state()  # and under an autocast of the step's own

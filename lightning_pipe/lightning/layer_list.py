@@ -449,7 +449,7 @@ class PipelinedLayerList(StandIn, nn.ModuleList):
                     "before `norm`; those at the other positions, and a loss that ignores the padding, stay the same)"
                 )
             self.refuse_changed_modes("the step", "before calling the blocks")
-            self.refuse_changed_attributes("the step")
+            self.note_changed_attributes()
         if RemovableHandle.next_id != self._first_hook:  # a hook was registered somewhere since the step began
             _refuse_hooks_put_in_step(self.blocks[index], index, self._first_hook)
         self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: blocks under no_grad

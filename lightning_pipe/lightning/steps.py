@@ -125,7 +125,7 @@ class StepRunner:
         snapshot = self.effects.before(self.hook, whole=mode != "stop" or self.runs_whole_too)
         counts = metric_counts(self.module, self.body_path) if self.runs_whole_too and mode == "stop" else None
         self.stand_in.begin_step(mode, replacement, checkpoint_layers)
-        if mode == "replace" and i == 0:  # this process's layers ran before the step: see refuse_changed_attributes
+        if mode == "replace" and i == 0:  # this process's layers ran before the step: see refuse_reverted_attributes
             self.stand_in.__dict__["attributes"] = self.stand_in.attribute_values()
         watch = self.stale.watching() if self.stale is not None and mode == "replace" and self.hook == "training_step" \
             else nullcontext()  # evaluation steps get every copy refreshed instead (see .stale)
@@ -154,6 +154,7 @@ class StepRunner:
                 if grad_on:
                     self._refuse_body_without_grad()
                 self._refuse_call_context(*outside)
+                self.stand_in.refuse_reverted_attributes(self.hook)
                 output = unmark(output, f"returned by {self.hook}")
                 if self.stale is not None and self.stale.active():  # kept for later (shared at the epoch's end)
                     for name, value in self.effects.new_values(snapshot):
