@@ -146,8 +146,10 @@ def test_an_evaluation_step_evaluating_the_body_otherwise_is_refused_naming_the_
 def test_values_set_on_the_blocks_around_the_body_call_are_refused_on_every_rank(tmp_path_factory, case, changed):
     """Regression (review III): a flag set on every block through `self.modules()` (PEFT's `disable_adapter()`), or
     on a config object the blocks share, just for the body call reached the blocks of the first stage only (they
-    run inside its step); the last stage's ran before its step (weights 1.13e-2 from DDP's in III's probe). The
-    first step sets nothing (`batch_idx % 2 == 0` leaves the blocks on): the second is refused."""
+    run inside its step); the last stage's ran before its step (weights 1.13e-2 from DDP's in III's probe). Through
+    `self.modules()` the first step sets nothing (`batch_idx % 2 == 0` leaves the blocks on): the second is
+    refused; the config's scale is refused in the first. Changes the step keeps are not (`persistent_p2` in
+    test_model_styles.py trains as under DDP)."""
     output = _refused_on_every_rank(tmp_path_factory, case, "BodyCallError")
     assert f"training_step changed attributes of the body's modules just for the body call (set before it, put " \
            f"back after it): {changed}" in output, \
