@@ -339,6 +339,20 @@ class StandIn:
             cached = self.__dict__["_attribute_holders"] = (layers, [*modules, *held.values()])
         return [tuple(vars(holder).values()) for holder in cached[1]]
 
+    def note_call_context(self, first: bool = True) -> None:
+        """At a call of the body (of a block: ``first`` for the loop's first), what the step called it under, for
+        StepRunner.run's checks: gradients off (a body under no_grad), an autocast or saved-tensors hooks of the
+        step's own, and (at the first call) parameters of its own."""
+        self.__dict__.update(grad_at_call=torch.is_grad_enabled(), autocast_at_call=autocast_state(),
+                             pack_at_call=saved_tensors_pack())
+        if first:
+            self.__dict__["swapped_at_call"] = swapped_parameters(self)
+
+    def watch_attributes(self) -> None:
+        """At the start of a step, on the process whose layers ran before the step did (the last stage's): take the
+        attributes of the body's modules that :meth:`refuse_reverted_attributes` compares."""
+        self.__dict__["attributes"] = self.attribute_values()
+
     def note_changed_attributes(self) -> None:
         """At the body call, on the process whose layers ran before the step did (the last stage's): note the
         attributes of the body's modules (:meth:`attribute_values`) the step changed since it began."""
@@ -364,16 +378,17 @@ class StandIn:
             return
         self.__dict__.update(attributes=None, attributes_at_call=None)
         after = self.attribute_values()
-        reverted = []
-        for name, holder, old, mid, new in zip(self._holder_names(), self.__dict__["_attribute_holders"][1],
-                                               before, at_call, after):
-            if not len(old) == len(mid) == len(new):
-                continue
-            reverted += [f"`{'.'.join(p for p in (name, key) if p)}` {_short(was)} -> {_short(value)}"
-                         for key, was, value, end in zip(vars(holder), old, mid, new)
-                         if not _same(was, value) and _same(was, end)]
+        reverted = []  # (holder's place, attribute, value before, value at the call)
+        for place, (holder, old, mid, new) in enumerate(zip(self.__dict__["_attribute_holders"][1], before, at_call,
+                                                            after)):
+            if len(old) == len(mid) == len(new):
+                reverted += [(place, key, was, value) for key, was, value, end in zip(vars(holder), old, mid, new)
+                             if not _same(was, value) and _same(was, end)]
         if not reverted:
-            return
+            return  # changes the step keeps (a cache built, a config field set) are common: named only when refused
+        names = self._holder_names()
+        reverted = [f"`{'.'.join(p for p in (names[place], key) if p)}` {_short(was)} -> {_short(value)}"
+                    for place, key, was, value in reverted]
         self.begin_step("local")
         raise BodyCallError(
             f"{hook} changed attributes of the body's modules just for the body call (set before it, put back after "
@@ -559,10 +574,7 @@ class PipelinedSequential(StandIn, nn.Sequential):
         self.refuse_changed_modes("the step", "before calling it")
         self.note_changed_attributes()
         self.__dict__["calls"] += 1  # not nn.Module.__setattr__, which looks for a parameter of that name first
-        self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: a body under no_grad
-        self.__dict__["autocast_at_call"] = autocast_state()  # and under an autocast of the step's own
-        self.__dict__["pack_at_call"] = saved_tensors_pack()  # or its own saved-tensors hooks
-        self.__dict__["swapped_at_call"] = swapped_parameters(self)  # or with parameters of its own
+        self.note_call_context()
         if self.mode == "replace":
             self.__dict__["input_asks_grad"] = torch.is_grad_enabled() and asks_for_gradient(inputs)  # see .steps
             outputs = self.replacement

@@ -53,9 +53,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 from torch.utils.hooks import RemovableHandle
 
-from lightning_pipe.checkpoint import autocast_state, saved_tensors_pack
 from lightning_pipe.errors import BodyCallError
-from lightning_pipe.lightning.body import BodyReached, StandIn, asks_for_gradient, swapped_parameters
+from lightning_pipe.lightning.body import BodyReached, StandIn, asks_for_gradient
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
@@ -452,11 +451,7 @@ class PipelinedLayerList(StandIn, nn.ModuleList):
             self.note_changed_attributes()
         if RemovableHandle.next_id != self._first_hook:  # a hook was registered somewhere since the step began
             _refuse_hooks_put_in_step(self.blocks[index], index, self._first_hook)
-        self.__dict__["grad_at_call"] = torch.is_grad_enabled()  # see StepRunner.run: blocks under no_grad
-        self.__dict__["autocast_at_call"] = autocast_state()  # and under an autocast of the step's own
-        self.__dict__["pack_at_call"] = saved_tensors_pack()  # or its own saved-tensors hooks
-        if index == 0:
-            self.__dict__["swapped_at_call"] = swapped_parameters(self)  # or with parameters of its own
+        self.note_call_context(first=index == 0)
         structure, tensors = self._split(args[1:], kwargs)
         if self.mode == "replace":
             if index == 0:  # see .steps: an autograd error through the body is explained only if the input asked

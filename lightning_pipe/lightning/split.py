@@ -277,11 +277,9 @@ class SplitModel:
                     mine[path] = (values, flags)
         parts: List[Optional[Dict[str, tuple]]] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
-        local = {path for s in self.local_stages for layer in self.names[slice(*self.ranges[s])]
-                 for path, _ in self.body._modules[layer].named_modules(prefix=layer)}
         for part in parts:
             for path, (values, flags) in part.items():
-                if path in local:
+                if path in mine:  # this process's own
                     continue
                 sub = self.body.get_submodule(path)
                 sub.__dict__.update(values)

@@ -126,7 +126,7 @@ class StepRunner:
         counts = metric_counts(self.module, self.body_path) if self.runs_whole_too and mode == "stop" else None
         self.stand_in.begin_step(mode, replacement, checkpoint_layers)
         if mode == "replace" and i == 0:  # this process's layers ran before the step: see refuse_reverted_attributes
-            self.stand_in.__dict__["attributes"] = self.stand_in.attribute_values()
+            self.stand_in.watch_attributes()
         watch = self.stale.watching() if self.stale is not None and mode == "replace" and self.hook == "training_step" \
             else nullcontext()  # evaluation steps get every copy refreshed instead (see .stale)
         logging = loggers.watched(self.module.trainer, self.hook, self.watch_loggers_on, self.stand_in.reached) \
